@@ -1,0 +1,25 @@
+// The vectorised CPU rotary kernel, compiled once per instruction set (as ATen's
+// CPU_CAPABILITY builds are): rope_cpu_kernel_{default,avx2,avx512}.cpp. rope_cpu.cpp picks
+// one at run time.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include "../rope_math.h"
+
+namespace rope_ext::cpu {
+
+using RotaryKernel = void (*)(const RotaryParams& p, at::ScalarType x_dtype,
+                              at::ScalarType table_dtype);
+
+namespace DEFAULT {
+void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+}
+namespace AVX2 {
+void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+}
+namespace AVX512 {
+void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+}
+
+}  // namespace rope_ext::cpu

@@ -1,0 +1,3 @@
+// The rotary kernel for the DEFAULT instruction set, built with no instruction-set flags.
+#define CPU_CAPABILITY DEFAULT
+#include "rope_cpu_kernel_impl.h"

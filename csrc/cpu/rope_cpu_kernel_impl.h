@@ -1,0 +1,308 @@
+// Body of the vectorised CPU rotary kernel; included by one .cpp per instruction set, which
+// defines CPU_CAPABILITY (and CPU_CAPABILITY_AVX2 / _AVX512) before including it.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "rope_cpu_kernel.h"
+
+namespace rope_ext::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// float arithmetic for float/half/bfloat16 inputs, double for double.
+template <typename scalar_t>
+using opmath_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// Loads 2 * Vectorized<opmath>::size() elements from p as two opmath vectors.
+template <typename scalar_t>
+std::pair<Vectorized<opmath_t<scalar_t>>, Vectorized<opmath_t<scalar_t>>> load2(
+    const scalar_t* p) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  if constexpr (std::is_same_v<scalar_t, opmath_t<scalar_t>>) {
+    return {V::loadu(p), V::loadu(p + V::size())};
+  } else {
+    auto [a, b] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p));
+    return {a, b};
+  }
+}
+
+// Stores two opmath vectors to p as 2 * Vectorized<opmath>::size() elements, rounding once.
+template <typename scalar_t>
+void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
+            const Vectorized<opmath_t<scalar_t>>& b) {
+  if constexpr (std::is_same_v<scalar_t, opmath_t<scalar_t>>) {
+    a.store(p);
+    b.store(p + Vectorized<scalar_t>::size());
+  } else {
+    at::vec::convert_from_float<scalar_t>(a, b).store(p);
+  }
+}
+
+// bfloat16 is the high half of a float, so a 32-bit lane holding two bfloat16 values splits
+// into two float vectors with a shift and a mask, and joins back the same way: no permutes.
+using VecI = Vectorized<int32_t>;
+using VecF = Vectorized<float>;
+
+inline std::pair<VecF, VecF> split_bf16_lanes(const VecI& lanes) {
+  return {at::vec::cast<float>(lanes << VecI(16)),
+          at::vec::cast<float>(lanes & VecI(static_cast<int32_t>(0xffff0000u)))};
+}
+
+// f rounded to nearest-even bfloat16, left in the high 16 bits of each lane; NaN stays NaN.
+inline VecI round_to_bf16_high(const VecF& f) {
+  VecI bits = VecI::blendv(at::vec::cast<int32_t>(f), VecI(0x7fc00000),
+                           at::vec::cast<int32_t>(f.isnan()));
+  const VecI lsb = (bits >> VecI(16)) & VecI(1);
+  return (bits + VecI(0x7fff) + lsb) & VecI(static_cast<int32_t>(0xffff0000u));
+}
+
+// Lanes holding round(low) in their low half and round(high) in their high half.
+inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
+  return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
+}
+
+// The rotation of one position: cos and sin per pair (sin negated for inverse calls), and
+// for bfloat16 half-split rows the same values reordered per 2V-pair block as [even pairs,
+// odd pairs], the order split_bf16_lanes produces.
+template <typename opmath>
+struct Rotation {
+  std::vector<opmath> storage;
+  opmath* cos;
+  opmath* sin;
+  opmath* block_cos;
+  opmath* block_sin;
+
+  explicit Rotation(int64_t pairs) : storage(4 * pairs) {
+    cos = storage.data();
+    sin = cos + pairs;
+    block_cos = sin + pairs;
+    block_sin = block_cos + pairs;
+  }
+
+  template <typename table_t>
+  void load(const table_t* entry, const RotaryParams& p, bool blocked) {
+    const opmath sign = p.inverse ? opmath(-1) : opmath(1);
+    for (int64_t i = 0; i < p.rot_pairs; ++i) {
+      cos[i] = static_cast<opmath>(entry[i * p.table_pair_stride]);
+      sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
+    }
+    if (blocked) {
+      constexpr int64_t kV = VecF::size();
+      for (int64_t b = 0; b + 2 * kV <= p.rot_pairs; b += 2 * kV) {
+        for (int64_t j = 0; j < kV; ++j) {
+          block_cos[b + j] = cos[b + 2 * j];
+          block_cos[b + kV + j] = cos[b + 2 * j + 1];
+          block_sin[b + j] = sin[b + 2 * j];
+          block_sin[b + kV + j] = sin[b + 2 * j + 1];
+        }
+      }
+    }
+  }
+};
+
+// Rotates one row whose features are contiguous in x and out. cosv / sinv hold the row's
+// rotation for each pair (sin already negated for inverse calls).
+template <typename scalar_t, bool kInterleaved>
+void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opmath_t<scalar_t>>& r,
+                           int64_t pairs, int64_t head_dim) {
+  using opmath = opmath_t<scalar_t>;
+  using V = Vectorized<opmath>;
+  constexpr int64_t kV = V::size();
+  const opmath* cosv = r.cos;
+  const opmath* sinv = r.sin;
+  int64_t i = 0;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
+    // One lane holds one pair (x0 low, x1 high).
+    for (; i + kV <= pairs; i += kV) {
+      auto [x0, x1] = split_bf16_lanes(VecI::loadu(x + 2 * i));
+      V y0, y1;
+      rotate_pair(x0, x1, V::loadu(cosv + i), V::loadu(sinv + i), y0, y1);
+      join_bf16_lanes(y0, y1).store(out + 2 * i);
+    }
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    // Lane j of each half holds pairs i + 2j (low) and i + 2j + 1 (high).
+    for (; i + 2 * kV <= pairs; i += 2 * kV) {
+      auto [a_even, a_odd] = split_bf16_lanes(VecI::loadu(x + i));
+      auto [b_even, b_odd] = split_bf16_lanes(VecI::loadu(x + pairs + i));
+      V y0_even, y1_even, y0_odd, y1_odd;
+      rotate_pair(a_even, b_even, V::loadu(r.block_cos + i), V::loadu(r.block_sin + i), y0_even,
+                  y1_even);
+      rotate_pair(a_odd, b_odd, V::loadu(r.block_cos + i + kV), V::loadu(r.block_sin + i + kV),
+                  y0_odd, y1_odd);
+      join_bf16_lanes(y0_even, y0_odd).store(out + i);
+      join_bf16_lanes(y1_even, y1_odd).store(out + pairs + i);
+    }
+  } else if constexpr (kInterleaved) {
+    // x[2i .. 2i + 2kV) holds kV pairs (x0, x1) side by side.
+    for (; i + kV <= pairs; i += kV) {
+      auto [lo, hi] = load2(x + 2 * i);
+      auto [x0, x1] = at::vec::deinterleave2(lo, hi);
+      V y0, y1;
+      rotate_pair(x0, x1, V::loadu(cosv + i), V::loadu(sinv + i), y0, y1);
+      auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
+      store2(out + 2 * i, out_lo, out_hi);
+    }
+  } else {
+    // Pair i is (x[i], x[i + pairs]): 2kV pairs per step from each half.
+    for (; i + 2 * kV <= pairs; i += 2 * kV) {
+      auto [x0a, x0b] = load2(x + i);
+      auto [x1a, x1b] = load2(x + pairs + i);
+      V y0a, y1a, y0b, y1b;
+      rotate_pair(x0a, x1a, V::loadu(cosv + i), V::loadu(sinv + i), y0a, y1a);
+      rotate_pair(x0b, x1b, V::loadu(cosv + i + kV), V::loadu(sinv + i + kV), y0b, y1b);
+      store2(out + i, y0a, y0b);
+      store2(out + pairs + i, y1a, y1b);
+    }
+  }
+  for (; i < pairs; ++i) {
+    const int64_t f0 = pair_first(i, kInterleaved);
+    const int64_t f1 = pair_second(i, pairs, kInterleaved);
+    opmath y0, y1;
+    rotate_pair(static_cast<opmath>(x[f0]), static_cast<opmath>(x[f1]), cosv[i], sinv[i], y0,
+                y1);
+    out[f0] = static_cast<scalar_t>(y0);
+    out[f1] = static_cast<scalar_t>(y1);
+  }
+  if (out != x && head_dim > 2 * pairs) {
+    std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
+  }
+}
+
+// Rotates one row whose features are strided (e.g. a transposed view).
+template <typename scalar_t, bool kInterleaved>
+void rotate_strided_row(const scalar_t* x, scalar_t* out, int64_t xs, int64_t os,
+                        const opmath_t<scalar_t>* cosv, const opmath_t<scalar_t>* sinv,
+                        int64_t pairs, int64_t head_dim) {
+  using opmath = opmath_t<scalar_t>;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t f0 = pair_first(i, kInterleaved);
+    const int64_t f1 = pair_second(i, pairs, kInterleaved);
+    opmath y0, y1;
+    rotate_pair(static_cast<opmath>(x[f0 * xs]), static_cast<opmath>(x[f1 * xs]), cosv[i],
+                sinv[i], y0, y1);
+    out[f0 * os] = static_cast<scalar_t>(y0);
+    out[f1 * os] = static_cast<scalar_t>(y1);
+  }
+  if (out != x) {
+    for (int64_t f = 2 * pairs; f < head_dim; ++f) {
+      out[f * os] = x[f * xs];
+    }
+  }
+}
+
+// Walks the rows [begin, end) of one operand in order, keeping the multi-index and the three
+// offsets up to date with additions only.
+class RowCursor {
+ public:
+  RowCursor(const RotaryOperand& op, int64_t row) : op_(op) {
+    for (int64_t d = op.ndim - 1; d >= 0; --d) {
+      idx_[d] = row % op.sizes[d];
+      row /= op.sizes[d];
+      x_ += idx_[d] * op.x_strides[d];
+      out_ += idx_[d] * op.out_strides[d];
+      pos_ += idx_[d] * op.pos_strides[d];
+    }
+  }
+  int64_t x() const { return x_; }
+  int64_t out() const { return out_; }
+  int64_t pos() const { return pos_; }
+  void next() {
+    for (int64_t d = op_.ndim - 1; d >= 0; --d) {
+      x_ += op_.x_strides[d];
+      out_ += op_.out_strides[d];
+      pos_ += op_.pos_strides[d];
+      if (++idx_[d] < op_.sizes[d]) {
+        return;
+      }
+      x_ -= op_.sizes[d] * op_.x_strides[d];
+      out_ -= op_.sizes[d] * op_.out_strides[d];
+      pos_ -= op_.sizes[d] * op_.pos_strides[d];
+      idx_[d] = 0;
+    }
+  }
+
+ private:
+  const RotaryOperand& op_;
+  int64_t idx_[kMaxDims] = {};
+  int64_t x_ = 0, out_ = 0, pos_ = 0;
+};
+
+template <typename scalar_t, typename table_t, bool kInterleaved>
+void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
+  using opmath = opmath_t<scalar_t>;
+  const int64_t pairs = p.rot_pairs;
+  // The rotation of the last position seen: consecutive rows (the heads of one token) share
+  // it, so the table row is read and converted once per token, not once per head.
+  Rotation<opmath> rotation(pairs);
+  constexpr bool kBlocked = std::is_same_v<scalar_t, c10::BFloat16> && !kInterleaved;
+  int64_t cached_position = -1;
+  const auto* table = static_cast<const table_t*>(p.table);
+
+  int64_t first_row = 0;  // global index of the operand's first row
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    const int64_t lo = std::max(begin, first_row);
+    const int64_t hi = std::min(end, first_row + op.rows);
+    first_row += op.rows;
+    if (lo >= hi) {
+      continue;
+    }
+    const auto* x = static_cast<const scalar_t*>(op.x);
+    auto* out = static_cast<scalar_t*>(op.out);
+    const bool contiguous = op.x_feature_stride == 1 && op.out_feature_stride == 1;
+    RowCursor cursor(op, lo - (first_row - op.rows));
+    for (int64_t row = lo; row < hi; ++row, cursor.next()) {
+      const int64_t position = row_position(p, cursor.pos());
+      if (position != cached_position) {
+        rotation.load(table + position * p.table_row_stride, p, kBlocked);
+        cached_position = position;
+      }
+      if (contiguous) {
+        rotate_contiguous_row<scalar_t, kInterleaved>(x + cursor.x(), out + cursor.out(),
+                                                      rotation, pairs, op.head_dim);
+      } else {
+        rotate_strided_row<scalar_t, kInterleaved>(x + cursor.x(), out + cursor.out(),
+                                                   op.x_feature_stride, op.out_feature_stride,
+                                                   rotation.cos, rotation.sin, pairs,
+                                                   op.head_dim);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype) {
+  int64_t rows = 0;
+  for (int o = 0; o < p.num_operands; ++o) {
+    rows += p.operands[o].rows;
+  }
+  // Enough rows per task that a task moves at least ~64 KiB.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, p.operands[0].head_dim));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_cpu", [&] {
+    using row_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_cpu_table", [&] {
+      using table_t = scalar_t;
+      at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        if (p.interleaved) {
+          rotate_rows<row_t, table_t, true>(p, begin, end);
+        } else {
+          rotate_rows<row_t, table_t, false>(p, begin, end);
+        }
+      });
+    });
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace rope_ext::cpu

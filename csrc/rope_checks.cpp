@@ -1,0 +1,215 @@
+#include "rope_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace rope_ext {
+namespace {
+
+bool is_supported_x_dtype(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+
+void check_table(const char* op, const at::Tensor& table) {
+  TORCH_CHECK_TYPE(
+      table.scalar_type() == at::kFloat || table.scalar_type() == at::kDouble,
+      op, ": freqs_cis must be float32 or float64 (the real view [P, R/2, 2] of the complex "
+      "table), got ", table.scalar_type());
+  TORCH_CHECK_VALUE(
+      table.dim() == 3 && table.size(2) == 2,
+      op, ": freqs_cis must have shape [P, R/2, 2] holding (cos, sin), got ", table.sizes());
+  TORCH_CHECK_VALUE(
+      table.size(1) > 0, op, ": freqs_cis must hold at least one rotary pair, got shape ",
+      table.sizes());
+}
+
+}  // namespace
+
+int64_t check_apply_args(
+    const char* op,
+    const char* name,
+    const at::Tensor& x,
+    const at::Tensor& table,
+    const std::optional<at::Tensor>& positions,
+    int64_t offset,
+    int64_t seq_dim) {
+  TORCH_CHECK_TYPE(
+      is_supported_x_dtype(x.scalar_type()),
+      op, ": ", name, " must be a float16, bfloat16, float32 or float64 tensor, got ",
+      x.scalar_type());
+  TORCH_CHECK_VALUE(
+      x.dim() >= 2, op, ": ", name,
+      " must have at least 2 dims (a sequence dim and head_dim), got ", x.dim());
+  check_table(op, table);
+  TORCH_CHECK_VALUE(
+      table.device() == x.device(), op, ": freqs_cis is on ", table.device(), " but ", name,
+      " is on ", x.device());
+  const int64_t ndim = x.dim();
+  TORCH_CHECK_VALUE(
+      seq_dim >= -ndim && seq_dim <= ndim - 2, op, ": seq_dim must name a dim of ", name,
+      " other than the last, in [", -ndim, ", ", ndim - 2, "], got ", seq_dim);
+  const int64_t sd = seq_dim < 0 ? seq_dim + ndim : seq_dim;
+  const int64_t rotary_dim = 2 * table.size(1);
+  TORCH_CHECK_VALUE(
+      rotary_dim <= x.size(-1), op, ": rotary dim 2 * freqs_cis.shape[1] = ", rotary_dim,
+      " exceeds ", name, "'s head_dim ", x.size(-1));
+  TORCH_CHECK_VALUE(offset >= 0, op, ": offset must be >= 0, got ", offset);
+  if (positions.has_value()) {
+    const at::Tensor& pos = *positions;
+    TORCH_CHECK_TYPE(
+        pos.scalar_type() == at::kInt || pos.scalar_type() == at::kLong,
+        op, ": positions must be an int32 or int64 tensor, got ", pos.scalar_type());
+    TORCH_CHECK_VALUE(
+        pos.device() == x.device(), op, ": positions is on ", pos.device(), " but ", name,
+        " is on ", x.device());
+    const auto lead = x.sizes().slice(0, ndim - 1);
+    bool broadcastable = pos.dim() <= static_cast<int64_t>(lead.size());
+    for (int64_t d = 1; broadcastable && d <= pos.dim(); ++d) {
+      const int64_t ps = pos.size(-d);
+      broadcastable = ps == 1 || ps == lead[lead.size() - d];
+    }
+    TORCH_CHECK_VALUE(
+        broadcastable, op, ": positions of shape ", pos.sizes(),
+        " is not broadcastable to ", name, ".shape[:-1] = ", lead);
+  } else {
+    TORCH_CHECK_VALUE(
+        offset + x.size(sd) <= table.size(0), op, ": offset + ", name,
+        ".shape[seq_dim] = ", offset, " + ", x.size(sd), " exceeds the ", table.size(0),
+        " rows of freqs_cis");
+  }
+  return sd;
+}
+
+void check_qk_pair(const char* op, const at::Tensor& q, const at::Tensor& k, int64_t seq_dim) {
+  TORCH_CHECK_VALUE(
+      q.dim() == k.dim(), op, ": q and k must have the same number of dims, got ", q.dim(),
+      " and ", k.dim());
+  TORCH_CHECK_VALUE(
+      q.size(-1) == k.size(-1), op, ": q and k must have the same head_dim, got ", q.size(-1),
+      " and ", k.size(-1));
+  const int64_t sd = seq_dim < 0 ? seq_dim + q.dim() : seq_dim;
+  for (const int64_t d : {int64_t{0}, sd}) {
+    TORCH_CHECK_VALUE(
+        q.size(d) == k.size(d), op, ": q and k must agree on dim ", d,
+        " (batch and seq_dim; only head counts may differ), got ", q.size(d), " and ",
+        k.size(d));
+  }
+}
+
+void check_inplace_target(const char* op, const char* name, const at::Tensor& x) {
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    TORCH_CHECK_VALUE(
+        x.stride(d) != 0 || x.size(d) <= 1, op, ": ", name, " has overlapping memory (dim ", d,
+        " of size ", x.size(d), " has stride 0, e.g. from expand); an in-place call needs "
+        "distinct elements, use the out-of-place op");
+  }
+}
+
+void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k) {
+  if (q.numel() == 0 || k.numel() == 0 || !q.is_alias_of(k) ||
+      !q.is_non_overlapping_and_dense() || !k.is_non_overlapping_and_dense()) {
+    return;
+  }
+  const int64_t q_begin = q.storage_offset();
+  const int64_t k_begin = k.storage_offset();
+  const bool overlap = q_begin < k_begin + k.numel() && k_begin < q_begin + q.numel();
+  TORCH_CHECK_VALUE(
+      !overlap, op, ": q and k overlap in memory; an in-place call needs them disjoint");
+}
+
+void check_freqs_table(const char* op, const at::Tensor& out, int64_t dim, double theta) {
+  TORCH_CHECK_VALUE(dim >= 2, op, ": dim must be >= 2, got ", dim);
+  TORCH_CHECK_VALUE(theta > 0, op, ": theta must be > 0, got ", theta);
+  TORCH_CHECK_TYPE(
+      out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble,
+      op, ": out must be float32 or float64, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(
+      out.dim() == 3 && out.size(1) == dim / 2 && out.size(2) == 2, op,
+      ": out must have shape [end, dim // 2, 2] = [end, ", dim / 2, ", 2], got ", out.sizes());
+}
+
+RotaryParams make_params(
+    const at::Tensor& table,
+    const std::optional<at::Tensor>& positions,
+    int64_t offset,
+    bool interleaved,
+    bool inverse) {
+  RotaryParams p{};
+  p.num_operands = 0;
+  p.table = table.data_ptr();
+  p.table_rows = table.size(0);
+  p.rot_pairs = table.size(1);
+  p.table_row_stride = table.stride(0);
+  p.table_pair_stride = table.stride(1);
+  p.table_cs_stride = table.stride(2);
+  p.positions = positions.has_value() ? positions->data_ptr() : nullptr;
+  p.positions_int64 = positions.has_value() && positions->scalar_type() == at::kLong;
+  p.offset = offset;
+  p.interleaved = interleaved;
+  p.inverse = inverse;
+  return p;
+}
+
+void add_operand(
+    const char* op,
+    RotaryParams& p,
+    const at::Tensor& x,
+    const at::Tensor& out,
+    const std::optional<at::Tensor>& positions,
+    int64_t seq_dim) {
+  if (x.numel() == 0) {
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(p.num_operands < 2);
+  const int64_t lead = x.dim() - 1;
+  RotaryOperand& o = p.operands[p.num_operands++];
+  o.x = x.data_ptr();
+  o.out = out.data_ptr();
+  o.x_feature_stride = x.stride(-1);
+  o.out_feature_stride = out.stride(-1);
+  o.head_dim = x.size(-1);
+  o.rows = 1;
+  o.ndim = 0;
+  // Walk the leading dims from the innermost out, dropping size-1 dims and merging a dim
+  // into the one inside it when x, out and positions all step through them as one.
+  int64_t sizes[64], xs[64], os[64], ps[64];
+  int64_t n = 0;
+  for (int64_t d = lead - 1; d >= 0; --d) {
+    const int64_t size = x.size(d);
+    o.rows *= size;
+    if (size == 1) {
+      continue;
+    }
+    int64_t pos_stride = 0;
+    if (positions.has_value()) {
+      const int64_t pd = d - (lead - positions->dim());
+      pos_stride = (pd >= 0 && positions->size(pd) != 1) ? positions->stride(pd) : 0;
+    } else {
+      pos_stride = d == seq_dim ? 1 : 0;
+    }
+    if (n > 0 && xs[n - 1] * sizes[n - 1] == x.stride(d) &&
+        os[n - 1] * sizes[n - 1] == out.stride(d) && ps[n - 1] * sizes[n - 1] == pos_stride) {
+      sizes[n - 1] *= size;
+      continue;
+    }
+    TORCH_CHECK_VALUE(
+        n < kMaxDims, op, ": x has more than ", kMaxDims,
+        " leading dims that cannot be merged; reshape it first");
+    sizes[n] = size;
+    xs[n] = x.stride(d);
+    os[n] = out.stride(d);
+    ps[n] = pos_stride;
+    ++n;
+  }
+  // Stored outermost first, as row_offsets expects.
+  o.ndim = n;
+  for (int64_t i = 0; i < n; ++i) {
+    o.sizes[i] = sizes[n - 1 - i];
+    o.x_strides[i] = xs[n - 1 - i];
+    o.out_strides[i] = os[n - 1 - i];
+    o.pos_strides[i] = ps[n - 1 - i];
+  }
+}
+
+}  // namespace rope_ext

@@ -1,0 +1,56 @@
+// Argument checks and parameter filling shared by every backend.
+//
+// Each message names the argument, what was expected and what arrived; rope_ext/_meta.py
+// mirrors every check, word for word, in the fake kernels used by torch.compile.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "rope_math.h"
+
+namespace rope_ext {
+
+// Checks x against the table and the position arguments of one apply call and returns
+// seq_dim normalised to [0, x.dim() - 2].
+int64_t check_apply_args(
+    const char* op,
+    const char* name,
+    const at::Tensor& x,
+    const at::Tensor& table,
+    const std::optional<at::Tensor>& positions,
+    int64_t offset,
+    int64_t seq_dim);
+
+// q and k of a fused call must agree on head_dim and on every dim that is not a head count.
+void check_qk_pair(const char* op, const at::Tensor& q, const at::Tensor& k, int64_t seq_dim);
+
+// An in-place call needs every element of x to be distinct memory.
+void check_inplace_target(const char* op, const char* name, const at::Tensor& x);
+
+// In-place q and k must not write to the same elements.
+void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k);
+
+// Checks the output table of fill_freqs_cis_.
+void check_freqs_table(const char* op, const at::Tensor& out, int64_t dim, double theta);
+
+// Table, positions and flags of a call; operands are added with add_operand.
+RotaryParams make_params(
+    const at::Tensor& table,
+    const std::optional<at::Tensor>& positions,
+    int64_t offset,
+    bool interleaved,
+    bool inverse);
+
+// Appends x (written to out) to p, merging leading dims where every stride allows it.
+// Does nothing for an empty x.
+void add_operand(
+    const char* op,
+    RotaryParams& p,
+    const at::Tensor& x,
+    const at::Tensor& out,
+    const std::optional<at::Tensor>& positions,
+    int64_t seq_dim);
+
+}  // namespace rope_ext

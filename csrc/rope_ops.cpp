@@ -1,0 +1,53 @@
+// Every op of rope_ext, in one place. Backends only add implementations
+// (TORCH_LIBRARY_IMPL in cpu/, cuda/, rope_composite.cpp, rope_autograd.cpp).
+//
+// The table argument `freqs_cis` of the ops is the real view [P, R/2, 2] (cos, sin) of the
+// complex LLaMA table, float32 or float64; the Python wrappers accept the complex form too.
+#include <Python.h>
+#include <torch/library.h>
+
+// A plain module init, so `import rope_ext._C` loads the library (and runs the registrations
+// below) without pybind11; the ops are reached through torch.ops.rope_ext.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+  };
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(rope_ext, m) {
+  // The LLaMA table polar(1, outer(arange(end), theta^(-2i/dim))) as its real view
+  // [end, dim // 2, 2], angles in float64 rounded once. dtype float32 (default) or float64.
+  m.def(
+      "precompute_freqs_cis(int dim, int end, float theta=10000.0, *, ScalarType? dtype=None, "
+      "Device? device=None) -> Tensor");
+  // Fills out [end, dim // 2, 2] with that table; the backend kernel behind the op above.
+  m.def("fill_freqs_cis_(Tensor(a!) out, int dim, float theta) -> ()");
+
+  // Rotates x [..., head_dim] by freqs_cis; a row's position is offset + positions[...] with
+  // positions (int32/int64, broadcastable to x.shape[:-1]), else offset + its index along
+  // seq_dim. Features [R, head_dim) pass through.
+  m.def(
+      "apply_rotary(Tensor x, Tensor freqs_cis, Tensor? positions=None, SymInt offset=0, "
+      "int seq_dim=1, bool interleaved=True, bool inverse=False) -> Tensor");
+  m.def(
+      "apply_rotary_(Tensor(a!) x, Tensor freqs_cis, Tensor? positions=None, SymInt offset=0, "
+      "int seq_dim=1, bool interleaved=True, bool inverse=False) -> ()");
+  // q and k (head counts may differ) in one kernel launch.
+  m.def(
+      "apply_rotary_qk(Tensor q, Tensor k, Tensor freqs_cis, Tensor? positions=None, "
+      "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor freqs_cis, Tensor? positions=None, "
+      "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False) -> ()");
+
+  // Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) with respect to freqs_cis, shaped
+  // like freqs_cis. Composed of stock torch ops (rope_ext/_autograd.py).
+  m.def(
+      "rotary_table_grad(Tensor grad, Tensor x, Tensor freqs_cis, Tensor? positions, "
+      "SymInt offset, int seq_dim, bool interleaved, bool inverse) -> Tensor");
+
+  // Which kernels this build holds, as "key=value" lines (python -m rope_ext prints them).
+  m.def("build_info() -> str");
+}

@@ -1,0 +1,34 @@
+"""rope_ext: Rotary Position Embedding kernels for PyTorch (CPU and CUDA custom ops).
+
+    import rope_ext
+    freqs_cis = rope_ext.precompute_freqs_cis(128, 4096)          # complex [4096, 64]
+    xq, xk = rope_ext.apply_rotary_emb(xq, xk, freqs_cis)        # LLaMA drop-in
+    q, k = rope_ext.apply_rotary_qk(q, k, freqs_cis, positions=pos, inplace=True)
+
+The ops are torch.ops.rope_ext.* (schemas in csrc/rope_ops.cpp).
+"""
+
+from . import _native
+
+if _native.LOADED:
+    from . import _autograd, _meta  # noqa: F401  (autograd formulas and fake kernels)
+
+from .api import (
+    apply_rotary,
+    apply_rotary_emb,
+    apply_rotary_qk,
+    native_available,
+    precompute_freqs_cis,
+)
+
+build_info = _native.build_info
+
+__all__ = [
+    "apply_rotary",
+    "apply_rotary_emb",
+    "apply_rotary_qk",
+    "build_info",
+    "native_available",
+    "precompute_freqs_cis",
+]
+__version__ = "0.1.0"

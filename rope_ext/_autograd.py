@@ -1,0 +1,91 @@
+"""Autograd of the functional ops, and the table-gradient op both they and the in-place ops'
+C++ autograd (csrc/rope_autograd.cpp) call.
+
+d/dx of a rotation is the inverse rotation, so grad_x is the native op with `inverse`
+flipped. The table's gradient, when it requires one, is composed of stock torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import row_positions
+
+_lib = torch.library.Library("rope_ext", "IMPL")
+
+
+def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse):
+    """Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) w.r.t. freqs_cis [P, R/2, 2].
+
+    With y0 = x0 c - x1 s and y1 = x0 s + x1 c: dc = g0 x0 + g1 x1, ds = g1 x0 - g0 x1 (negated
+    for inverse calls), summed over every row that used the table row. This matches the eager
+    complex product's gradient, grad * conj(x).
+    """
+    pairs = freqs_cis.shape[1]
+    rotary_dim = 2 * pairs
+    g = grad[..., :rotary_dim].to(freqs_cis.dtype)
+    xr = x[..., :rotary_dim].to(freqs_cis.dtype)
+    if interleaved:
+        g0, g1 = g.unflatten(-1, (pairs, 2)).unbind(-1)
+        x0, x1 = xr.unflatten(-1, (pairs, 2)).unbind(-1)
+    else:
+        g0, g1 = g[..., :pairs], g[..., pairs:]
+        x0, x1 = xr[..., :pairs], xr[..., pairs:]
+    d_cos = g0 * x0 + g1 * x1
+    d_sin = g1 * x0 - g0 * x1
+    if inverse:
+        d_sin = -d_sin
+    seq_dim = seq_dim + x.dim() if seq_dim < 0 else seq_dim
+    rows = row_positions(x.shape[:-1], positions, offset, seq_dim, x.device).reshape(-1)
+    contributions = torch.stack([d_cos, d_sin], -1).reshape(-1, pairs, 2)
+    return torch.zeros_like(freqs_cis).index_add_(0, rows, contributions)
+
+
+_lib.impl("rotary_table_grad", rotary_table_grad, "CompositeImplicitAutograd")
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, table, positions, offset, seq_dim, interleaved, inverse = inputs
+    ctx.args = (offset, seq_dim, interleaved, inverse)
+    table_grad = ctx.needs_input_grad[len(tensors)]
+    ctx.save_for_backward(table, positions, *(t if table_grad else None for t in tensors))
+
+
+def _grads(ctx, grads):
+    """grad of each rotated tensor, then of the table."""
+    table, positions, *inputs = ctx.saved_tensors
+    offset, seq_dim, interleaved, inverse = ctx.args
+    tensor_grads, table_grad = [], None
+    for i, (grad, x) in enumerate(zip(grads, inputs)):
+        if grad is None:
+            tensor_grads.append(None)
+            continue
+        tensor_grads.append(
+            torch.ops.rope_ext.apply_rotary.default(
+                grad, table, positions, offset, seq_dim, interleaved, not inverse
+            )
+            if ctx.needs_input_grad[i]
+            else None
+        )
+        if x is not None:
+            part = torch.ops.rope_ext.rotary_table_grad.default(
+                grad, x, table, positions, offset, seq_dim, interleaved, inverse
+            )
+            table_grad = part if table_grad is None else table_grad + part
+    return (*tensor_grads, table_grad, None, None, None, None, None)
+
+
+def _backward_apply(ctx, grad):
+    return _grads(ctx, [grad])
+
+
+def _backward_apply_qk(ctx, grad_q, grad_k):
+    return _grads(ctx, [grad_q, grad_k])
+
+
+torch.library.register_autograd(
+    "rope_ext::apply_rotary", _backward_apply, setup_context=_setup_context
+)
+torch.library.register_autograd(
+    "rope_ext::apply_rotary_qk", _backward_apply_qk, setup_context=_setup_context
+)

@@ -1,0 +1,48 @@
+"""Fake kernels for torch.compile / FakeTensor: the C++ checks, then outputs shaped and
+strided as the real kernels make them (empty_like, as the C++ ops allocate)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+
+
+@torch.library.register_fake("rope_ext::precompute_freqs_cis")
+def _(dim, end, theta=10000.0, *, dtype=None, device=None):
+    dtype = torch.float32 if dtype is None else dtype
+    _checks.check_precompute_args(dim, end, theta, dtype)
+    return torch.empty(end, dim // 2, 2, dtype=dtype, device=device or "cpu")
+
+
+@torch.library.register_fake("rope_ext::fill_freqs_cis_")
+def _(out, dim, theta):
+    _checks.check_freqs_table(out, dim, theta)
+
+
+@torch.library.register_fake("rope_ext::apply_rotary")
+def _(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
+    _checks.check_apply_args("apply_rotary", "x", x, freqs_cis, positions, offset, seq_dim)
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("rope_ext::apply_rotary_")
+def _(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
+    op = "apply_rotary_"
+    _checks.check_apply_args(op, "x", x, freqs_cis, positions, offset, seq_dim)
+    _checks.check_inplace_target(op, "x", x)
+
+
+@torch.library.register_fake("rope_ext::apply_rotary_qk")
+def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
+    _checks.check_qk_args("apply_rotary_qk", q, k, freqs_cis, positions, offset, seq_dim)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("rope_ext::apply_rotary_qk_")
+def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
+    op = "apply_rotary_qk_"
+    _checks.check_qk_args(op, q, k, freqs_cis, positions, offset, seq_dim)
+    _checks.check_inplace_target(op, "q", q)
+    _checks.check_inplace_target(op, "k", k)
+    _checks.check_qk_disjoint(op, q, k)

@@ -1,0 +1,139 @@
+"""The public functions: thin, typed wrappers over torch.ops.rope_ext, falling back to the
+eager path (rope_ext.reference) where no native kernel serves the tensors' device."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks, _native, reference
+
+
+def _real_table(freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The ops take the real view [P, R/2, 2] (cos, sin) of the complex table."""
+    return torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+
+
+def native_available() -> bool:
+    """True when the compiled kernels are loaded (see `python -m rope_ext` for which)."""
+    return bool(_native.NATIVE_DEVICES)
+
+
+def precompute_freqs_cis(
+    dim: int,
+    end: int,
+    theta: float = 10000.0,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """LLaMA's rotary table `polar(1, outer(arange(end), theta^(-2i/dim)))`, complex [end, dim//2].
+
+    Angles are computed in float64 and rounded once, so every entry is within 1.2e-7 of the
+    exact value for positions below 2**20. dtype float32 gives complex64, float64 complex128.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    _checks.check_precompute_args(dim, end, theta, dtype)
+    if _native.supports(device):
+        table = torch.ops.rope_ext.precompute_freqs_cis.default(
+            dim, end, theta, dtype=dtype, device=device
+        )
+        return torch.view_as_complex(table)
+    _native.warn_fallback(device)
+    return reference.precompute_freqs_cis(dim, end, theta, device=device, dtype=dtype)
+
+
+def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inplace):
+    sd = _checks.check_apply_args(op, names[0], tensors[0], table, positions, offset, seq_dim)
+    if len(tensors) == 2:
+        _checks.check_qk_args(op, *tensors, table, positions, offset, seq_dim)
+    if inplace:
+        for t, name in zip(tensors, names):
+            _checks.check_inplace_target(op, name, t)
+        if len(tensors) == 2:
+            _checks.check_qk_disjoint(op, *tensors)
+    if positions is not None:
+        _checks.check_positions_in_range(op, positions, offset, table.shape[0])
+    return sd
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    offset: int = 0,
+    seq_dim: int = 1,
+    interleaved: bool = True,
+    inverse: bool = False,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Rotates the pairs of x's last dim by the angles in freqs_cis.
+
+    Args:
+        x: [..., head_dim], float16/bfloat16/float32/float64, any strides.
+        freqs_cis: complex [P, R/2] or its real view [P, R/2, 2] (cos, sin), float32/64;
+            R <= head_dim, features R.. pass through unchanged (partial rotary).
+        positions: int32/int64, broadcastable to x.shape[:-1]; a row's position is
+            offset + positions[...]. Without it, offset + the row's index along seq_dim.
+        interleaved: pairs (2i, 2i+1) as LLaMA / GPT-J; False pairs (i, i + R/2) as GPT-NeoX
+            and Hugging Face's rotate_half.
+        inverse: rotate by the negative angle (undoes a rotation).
+        inplace: write into x and return it.
+    """
+    table = _real_table(freqs_cis)
+    if _native.supports(x.device):
+        args = (table, positions, offset, seq_dim, interleaved, inverse)
+        if inplace:
+            torch.ops.rope_ext.apply_rotary_.default(x, *args)
+            return x
+        return torch.ops.rope_ext.apply_rotary.default(x, *args)
+    op = "apply_rotary_" if inplace else "apply_rotary"
+    _fallback_checks(op, (x,), ("x",), table, positions, offset, seq_dim, inplace)
+    _native.warn_fallback(x.device)
+    return reference.apply_rotary(
+        x, table, positions=positions, offset=offset, seq_dim=seq_dim,
+        interleaved=interleaved, inverse=inverse, inplace=inplace,
+    )
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    offset: int = 0,
+    seq_dim: int = 1,
+    interleaved: bool = True,
+    inverse: bool = False,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary on q and k in one kernel launch; their head counts may differ (GQA).
+
+    q and k must agree on head_dim, dim 0 (batch) and seq_dim; positions must broadcast to
+    both. With inplace=True they must not overlap each other.
+    """
+    table = _real_table(freqs_cis)
+    if _native.supports(q.device):
+        args = (table, positions, offset, seq_dim, interleaved, inverse)
+        if inplace:
+            torch.ops.rope_ext.apply_rotary_qk_.default(q, k, *args)
+            return q, k
+        return torch.ops.rope_ext.apply_rotary_qk.default(q, k, *args)
+    op = "apply_rotary_qk_" if inplace else "apply_rotary_qk"
+    _fallback_checks(op, (q, k), ("q", "k"), table, positions, offset, seq_dim, inplace)
+    _native.warn_fallback(q.device)
+    kwargs = dict(positions=positions, offset=offset, seq_dim=seq_dim,
+                  interleaved=interleaved, inverse=inverse, inplace=inplace)
+    return reference.apply_rotary(q, table, **kwargs), reference.apply_rotary(k, table, **kwargs)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for LLaMA's apply_rotary_emb.
+
+    xq, xk: [B, S, H, D] or [B, S, D]; freqs_cis: at least S rows, row s rotating sequence
+    index s; interleaved pairs; outputs in the inputs' dtypes.
+    """
+    return apply_rotary_qk(xq, xk, freqs_cis, seq_dim=1, interleaved=True)

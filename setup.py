@@ -1,0 +1,110 @@
+"""Builds rope_ext._C: the CPU kernels always, the CUDA kernels when the torch build has CUDA
+and a CUDA toolkit is found (not because a GPU is present).
+
+Environment:
+  ROPE_EXT_CUDA=1|0        force / disable the CUDA kernels (default: auto)
+  TORCH_CUDA_ARCH_LIST     CUDA archs, e.g. "9.0" (default: 8.0;8.6;8.9;9.0+PTX)
+  ROPE_EXT_SANITIZE=1      build with AddressSanitizer and UndefinedBehaviorSanitizer
+  MAX_JOBS                 parallel compile jobs (ninja)
+"""
+
+import os
+import platform
+from pathlib import Path
+
+from setuptools import setup
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).parent
+CSRC = Path("csrc")
+
+# One kernel source per instruction set, each with its own flags; the library picks one at
+# run time (csrc/cpu/rope_cpu.cpp). Mirrored in CMakeLists.txt.
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+ISA_FLAGS = {
+    str(CSRC / "cpu" / "rope_cpu_kernel_avx2.cpp"): ["-mavx2", "-mfma", "-mf16c"],
+    str(CSRC / "cpu" / "rope_cpu_kernel_avx512.cpp"): [
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+    ],
+}
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("ROPE_EXT_CUDA")
+    if forced is not None and forced not in ("0", "1"):
+        raise SystemExit(f"ROPE_EXT_CUDA must be 0 or 1, got {forced!r}")
+    available = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if forced == "1" and not available:
+        raise SystemExit(
+            "ROPE_EXT_CUDA=1 but CUDA cannot be built: "
+            f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}"
+        )
+    return available if forced is None else forced == "1"
+
+
+def sources(with_cuda: bool) -> list[str]:
+    files = [str(p) for p in sorted(CSRC.glob("*.cpp"))]
+    files += [str(CSRC / "cpu" / "rope_cpu.cpp"), str(CSRC / "cpu" / "rope_cpu_kernel_default.cpp")]
+    if X86:
+        files += list(ISA_FLAGS)
+    files.append(str(CSRC / "cuda" / ("rope_cuda.cu" if with_cuda else "no_cuda.cpp")))
+    return files
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension, compiling the per-instruction-set kernels with their flags."""
+
+    def build_extension(self, ext):
+        compile_all = self.compiler.compile
+
+        def compile_grouped(srcs, *args, extra_postargs=None, **kwargs):
+            objects = []
+            plain = [s for s in srcs if s not in ISA_FLAGS]
+            if plain:
+                objects += compile_all(plain, *args, extra_postargs=extra_postargs, **kwargs)
+            for src in srcs:
+                if src in ISA_FLAGS:
+                    post = dict(extra_postargs)
+                    post["cxx"] = post["cxx"] + ISA_FLAGS[src]
+                    objects += compile_all([src], *args, extra_postargs=post, **kwargs)
+            return objects
+
+        self.compiler.compile = compile_grouped
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_all
+
+
+def extension():
+    with_cuda = want_cuda()
+    cxx = ["-O3", "-fopenmp", "-fvisibility=hidden"]
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    link = ["-fopenmp"]
+    macros = []
+    if X86:
+        macros += [("ROPE_EXT_HAVE_AVX2", None), ("ROPE_EXT_HAVE_AVX512", None)]
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        macros.append(("ROPE_EXT_WITH_CUDA", None))
+    if os.environ.get("ROPE_EXT_SANITIZE") == "1":
+        san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
+        cxx = [f for f in cxx if f != "-O3"] + ["-O1", "-g"] + san
+        link += san
+    kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
+    return kind(
+        "rope_ext._C",
+        sources(with_cuda),
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=link,
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+)
