@@ -90,8 +90,7 @@ class RotaryInplace : public torch::autograd::Function<RotaryInplace> {
       at::AutoDispatchBelowADInplaceOrView guard;
       op.call(x, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse);
     }
-    torch::autograd::increment_version(x);
-    ctx->mark_dirty({x});
+    ctx->mark_dirty({x});  // apply() bumps the version of dirty tensors
     a.save(ctx);
     ctx->save_for_backward({table, positions.value_or(at::Tensor()),
                             table.requires_grad() ? x : at::Tensor()});
@@ -103,42 +102,6 @@ class RotaryInplace : public torch::autograd::Function<RotaryInplace> {
     const auto [grad_x, grad_table] = rotary_grads(
         grads[0], saved[2], saved[0], saved[1], RotaryArgs::load(ctx), ctx->needs_input_grad(1));
     return {grad_x, grad_table, at::Tensor(), at::Tensor()};
-  }
-};
-
-class RotaryQkInplace : public torch::autograd::Function<RotaryQkInplace> {
- public:
-  static variable_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k,
-                               at::Tensor table, std::optional<at::Tensor> positions,
-                               RotaryArgs a) {
-    static const auto op = find_op<ApplyQkInplaceSig>("rope_ext::apply_rotary_qk_");
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      op.call(q, k, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse);
-    }
-    torch::autograd::increment_version(q);
-    torch::autograd::increment_version(k);
-    ctx->mark_dirty({q, k});
-    a.save(ctx);
-    const bool keep = table.requires_grad();
-    ctx->save_for_backward({table, positions.value_or(at::Tensor()), keep ? q : at::Tensor(),
-                            keep ? k : at::Tensor()});
-    return {q, k};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const RotaryArgs a = RotaryArgs::load(ctx);
-    const bool table_grad = ctx->needs_input_grad(2);
-    auto [grad_q, table_from_q] = rotary_grads(grads[0], saved[2], saved[0], saved[1], a,
-                                               table_grad);
-    auto [grad_k, table_from_k] = rotary_grads(grads[1], saved[3], saved[0], saved[1], a,
-                                               table_grad);
-    at::Tensor grad_table = table_from_q;
-    if (table_from_k.defined()) {
-      grad_table = grad_table.defined() ? grad_table + table_from_k : table_from_k;
-    }
-    return {grad_q, grad_k, grad_table, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -175,7 +138,10 @@ void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at
                               int64_t seq_dim, bool interleaved, bool inverse) {
   const RotaryArgs a{std::move(offset), seq_dim, interleaved, inverse};
   if (any_requires_grad({q, k, table})) {
-    RotaryQkInplace::apply(q, k, table, positions, a);
+    // The autograd engine lets a Function that modifies a view in place (q and k are often
+    // views of one qkv projection) return only that one tensor: one Function each.
+    RotaryInplace::apply(q, table, positions, a);
+    RotaryInplace::apply(k, table, positions, a);
     return;
   }
   static const auto op = find_op<ApplyQkInplaceSig>("rope_ext::apply_rotary_qk_");

@@ -158,14 +158,14 @@ def check_inplace_target(op: str, name: str, x: torch.Tensor) -> None:
 
 
 def check_qk_disjoint(op: str, q: torch.Tensor, k: torch.Tensor) -> None:
-    from torch._prims_common import is_non_overlapping_and_dense
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 
     if (
         q.numel() == 0
         or k.numel() == 0
         or not torch._C._is_alias_of(q, k)
-        or not is_non_overlapping_and_dense(q)
-        or not is_non_overlapping_and_dense(k)
+        or not dense(q)
+        or not dense(k)
     ):
         return
     q_begin, k_begin = q.storage_offset(), k.storage_offset()

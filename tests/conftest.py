@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+import rope_ext
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+# Output (in its dtype) against the float64 reference: the op computes in float32 (float64
+# for float64) and rounds once, so the error is about one unit in the last place.
+TOLERANCES = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=2e-6, rtol=2e-6),
+    torch.float16: dict(atol=2e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=8e-3),
+}
+
+
+def assert_matches_reference(out: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(out.double(), expected.double(), **TOLERANCES[out.dtype])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _require_native():
+    # The suite tests the kernels: a silently missing extension must fail, not fall back.
+    assert rope_ext.native_available(), rope_ext._native.LOAD_ERROR

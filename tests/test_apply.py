@@ -1,0 +1,207 @@
+"""rope_ext against the float64 eager reference, over dtypes, layouts, pairings, partial
+rotary, positions, strides and in-place calls."""
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import reference
+
+from conftest import DTYPES, assert_matches_reference
+
+P, B, S, H, D = 64, 2, 11, 3, 32
+
+
+def make_layout(name, device, dtype, gen):
+    """x, call kwargs (seq_dim / positions / offset) for one layout."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def randint(high, *shape, dtype=torch.int64):
+        return torch.randint(0, high, shape, generator=gen).to(device=device, dtype=dtype)
+
+    if name == "llama":
+        return randn(B, S, H, D), dict(seq_dim=1)
+    if name == "llama_3d":
+        return randn(B, S, D), dict(seq_dim=1)
+    if name == "hf":
+        return randn(B, H, S, D), dict(seq_dim=2)
+    if name == "negative_seq_dim":
+        return randn(B, H, S, D), dict(seq_dim=-2)
+    if name == "offset":
+        return randn(B, S, H, D), dict(offset=P - S)
+    if name == "decode":
+        return randn(5, 1, H, D), dict(positions=randint(P, 5, 1, 1))
+    if name == "positions_bs1":
+        return randn(B, S, H, D), dict(positions=randint(P - 3, B, S, 1), offset=3)
+    if name == "hf_positions_int32":
+        return randn(B, H, S, D), dict(positions=randint(P, B, 1, S, dtype=torch.int32), seq_dim=2)
+    if name == "packed":
+        return randn(17, H, D), dict(positions=randint(P, 17, 1), seq_dim=0)
+    if name == "positions_per_head":
+        return randn(B, S, H, D), dict(positions=randint(P, B, S, H))
+    if name == "fused_qkv_slice":
+        qkv = randn(B, S, 3 * H * D)
+        return qkv[..., H * D:2 * H * D].view(B, S, H, D), dict()
+    if name == "strided_features":
+        return randn(B, S, D, H).transpose(-1, -2), dict()
+    if name == "storage_offset":
+        return randn(B + 1, S, H, D)[1:], dict()
+    raise ValueError(name)
+
+
+LAYOUTS = [
+    "llama", "llama_3d", "hf", "negative_seq_dim", "offset", "decode", "positions_bs1",
+    "hf_positions_int32", "packed", "positions_per_head", "fused_qkv_slice",
+    "strided_features", "storage_offset",
+]
+
+
+def reference_of(x, table, **kwargs):
+    """The float64 oracle, with the very table entries the op reads."""
+    real = torch.view_as_real(table) if table.is_complex() else table
+    return reference.apply_rotary(x.double(), real.double(), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("rotary_dim", [D, D // 2])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_apply_rotary(device, dtype, interleaved, layout, rotary_dim, inplace):
+    gen = torch.Generator().manual_seed(hash((layout, rotary_dim)) % 2**31)
+    x, kwargs = make_layout(layout, device, dtype, gen)
+    table = rope_ext.precompute_freqs_cis(rotary_dim, P, device=device)
+    kwargs["interleaved"] = interleaved
+    expected = reference_of(x, table, **kwargs)  # before any in-place write
+    original = x.clone()
+    out = rope_ext.apply_rotary(x, table, inplace=inplace, **kwargs)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_matches_reference(out, expected)
+    if inplace:
+        assert out is x
+    else:
+        assert out.data_ptr() != x.data_ptr()
+        torch.testing.assert_close(x, original, atol=0, rtol=0)
+    # Pass-through features are copied bit for bit.
+    torch.testing.assert_close(out[..., rotary_dim:], original[..., rotary_dim:], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_apply_rotary_qk_gqa(device, dtype, interleaved, inplace, fused):
+    gen = torch.Generator().manual_seed(1)
+    hq, hk = 8, 2
+    if fused:  # views into one qkv projection output, no copies
+        qkv = torch.randn(B, S, (hq + 2 * hk) * D, generator=gen).to(device, dtype)
+        q = qkv[..., : hq * D].view(B, S, hq, D)
+        k = qkv[..., hq * D:(hq + hk) * D].view(B, S, hk, D)
+    else:
+        q = torch.randn(B, S, hq, D, generator=gen).to(device, dtype)
+        k = torch.randn(B, S, hk, D, generator=gen).to(device, dtype)
+    table = rope_ext.precompute_freqs_cis(D, P, device=device)
+    positions = torch.randint(0, P, (B, S, 1), generator=gen).to(device)
+    kwargs = dict(positions=positions, interleaved=interleaved)
+    want_q, want_k = reference_of(q, table, **kwargs), reference_of(k, table, **kwargs)
+    got_q, got_k = rope_ext.apply_rotary_qk(q, k, table, inplace=inplace, **kwargs)
+    assert_matches_reference(got_q, want_q)
+    assert_matches_reference(got_k, want_k)
+    assert (got_q is q and got_k is k) == inplace
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dims(device, head_dim, dtype):
+    x = torch.randn(2, 9, 2, head_dim, device=device).to(dtype)
+    table = rope_ext.precompute_freqs_cis(head_dim, 16, device=device)
+    for interleaved in (True, False):
+        assert_matches_reference(
+            rope_ext.apply_rotary(x, table, interleaved=interleaved),
+            reference_of(x, table, interleaved=interleaved),
+        )
+
+
+def test_float64_table_and_strided_table(device):
+    x = torch.randn(2, 9, 2, 16, device=device)
+    table64 = rope_ext.precompute_freqs_cis(16, 40, device=device, dtype=torch.float64)
+    assert_matches_reference(rope_ext.apply_rotary(x, table64), reference_of(x, table64))
+    strided = torch.view_as_real(table64)[::2]  # every other position, non-contiguous
+    assert_matches_reference(rope_ext.apply_rotary(x, strided), reference_of(x, strided))
+
+
+def test_inverse_undoes_rotation(device):
+    x = torch.randn(3, 20, 4, 64, device=device)
+    table = rope_ext.precompute_freqs_cis(64, 20, device=device)
+    for interleaved in (True, False):
+        y = rope_ext.apply_rotary(x, table, interleaved=interleaved)
+        back = rope_ext.apply_rotary(y, table, interleaved=interleaved, inverse=True)
+        torch.testing.assert_close(back, x, atol=2e-6, rtol=2e-6)
+
+
+def test_llama_drop_in(device):
+    """Same results as the seed's LLaMA code, with its own table, for 4-D and 3-D x."""
+    table = reference.llama_precompute_freqs_cis(64, 128).to(device)
+    for shape in [(2, 128, 4, 64), (2, 128, 64)]:
+        xq = torch.randn(*shape, device=device)
+        xk = torch.randn(*shape, device=device)
+        want = reference.llama_apply_rotary_emb(xq, xk, table)
+        got = rope_ext.apply_rotary_emb(xq, xk, table)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+    # freqs_cis may hold more rows than the sequence (LLaMA keeps max_seq_len * 2).
+    xq = torch.randn(1, 16, 2, 64, device=device)
+    got = rope_ext.apply_rotary_emb(xq, xq, table)[0]
+    torch.testing.assert_close(got, reference.llama_apply_rotary_emb(xq, xq, table[:16])[0],
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_hf_rotate_half_equivalence(device):
+    table = rope_ext.precompute_freqs_cis(64, 32, device=device)
+    angles = torch.view_as_real(table)
+    cos = torch.cat([angles[..., 0], angles[..., 0]], -1)[None]  # [1, S, D]
+    sin = torch.cat([angles[..., 1], angles[..., 1]], -1)[None]
+    q = torch.randn(2, 4, 32, 64, device=device)
+    k = torch.randn(2, 2, 32, 64, device=device)
+    want = reference.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    got = rope_ext.apply_rotary_qk(q, k, table, seq_dim=2, interleaved=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+
+
+def test_relative_position_property(device):
+    """<rope(q)_m, rope(k)_n> depends only on m - n."""
+    table = rope_ext.precompute_freqs_cis(64, 64, device=device, dtype=torch.float64)
+    q = torch.randn(64, device=device, dtype=torch.float64)
+    k = torch.randn(64, device=device, dtype=torch.float64)
+    xs = torch.stack([q, k]).expand(64, 2, 64).transpose(0, 1).contiguous()  # [2, S, D]
+    rq, rk = rope_ext.apply_rotary(xs, table, seq_dim=1).unbind(0)
+    for m, n in [(10, 3), (40, 33), (63, 56)]:
+        torch.testing.assert_close(rq[m] @ rk[n], rq[m - n] @ rk[0])
+
+
+def test_empty_inputs_are_a_no_op(device):
+    table = rope_ext.precompute_freqs_cis(16, 8, device=device)
+    x = torch.empty(0, 4, 2, 16, device=device)
+    out = rope_ext.apply_rotary(x, table)
+    assert out.shape == x.shape and out is not x
+    assert rope_ext.apply_rotary(x, table, inplace=True) is x
+    q = torch.randn(2, 4, 2, 16, device=device)
+    k = torch.empty(2, 4, 0, 16, device=device)
+    got_q, got_k = rope_ext.apply_rotary_qk(q, k, table)
+    assert_matches_reference(got_q, reference_of(q, table))
+    assert got_k.shape == k.shape
+
+
+def test_output_strides_match_fake(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(32, 16, device=device))
+    for x in [torch.randn(2, 16, 3, 32, device=device),
+              torch.randn(2, 3, 16, 32, device=device).transpose(1, 2),
+              torch.randn(2, 16, 96, device=device)[..., 32:64].unflatten(-1, (1, 32))]:
+        real = torch.ops.rope_ext.apply_rotary(x, table)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.rope_ext.apply_rotary(mode.from_tensor(x), mode.from_tensor(table))
+        assert fake.stride() == real.stride() and fake.shape == real.shape

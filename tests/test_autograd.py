@@ -1,0 +1,89 @@
+"""Gradients: x's is the inverse rotation (native op), the table's matches the eager path."""
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import reference
+
+
+def complex_leaf(dim, end, device):
+    return rope_ext.precompute_freqs_cis(dim, end, device=device, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_gradcheck(device, interleaved, inverse, inplace, with_positions):
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(
+        8, 12, device=device, dtype=torch.float64)).clone().requires_grad_()
+    x = torch.randn(2, 5, 2, 10, device=device, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[3], [0], [11], [3], [7]], device=device) if with_positions else None
+
+    def f(x, table):
+        x = x * 1.0 if inplace else x  # in-place needs a non-leaf
+        return rope_ext.apply_rotary(x, table, positions=positions, offset=0, seq_dim=1,
+                                     interleaved=interleaved, inverse=inverse, inplace=inplace)
+
+    assert torch.autograd.gradcheck(f, (x, table))
+    assert torch.autograd.gradgradcheck(f, (x, table))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_gradcheck_qk(device, inplace):
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(
+        8, 6, device=device, dtype=torch.float64)).clone().requires_grad_()
+    q = torch.randn(2, 6, 3, 8, device=device, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 6, 1, 8, device=device, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, table):
+        if inplace:
+            q, k = q * 1.0, k * 1.0
+        return rope_ext.apply_rotary_qk(q, k, table, interleaved=False, inplace=inplace)
+
+    assert torch.autograd.gradcheck(f, (q, k, table))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_match_eager_path(device, inplace, dtype):
+    """Complex table leaf as LLaMA keeps it; gradients equal the eager complex product's."""
+    x0 = torch.randn(2, 16, 4, 32, device=device).to(dtype)
+    weight = torch.randn(2, 16, 4, 32, device=device)
+
+    def run(fn):
+        table = complex_leaf(32, 16, device).to(torch.complex64).detach().requires_grad_()
+        x = x0.clone().requires_grad_()
+        out = fn(x * 1, table)
+        (out.float() * weight).sum().backward()
+        return x.grad.float(), table.grad
+
+    got = run(lambda x, t: rope_ext.apply_rotary(x, t, inplace=inplace))
+    want = run(lambda x, t: reference.apply_rotary(x, t))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    # In-place calls recover x for the table's gradient by rotating the rounded output back,
+    # so in bfloat16 that gradient carries the output's rounding (documented in the README).
+    table_tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 or not inplace else \
+        dict(atol=5e-2, rtol=1e-2)
+    torch.testing.assert_close(got[1], want[1], **table_tol)
+    assert got[1].dtype == torch.complex64
+
+
+def test_inplace_on_leaf_requiring_grad_is_refused(device):
+    x = torch.randn(1, 4, 16, device=device, requires_grad=True)
+    table = rope_ext.precompute_freqs_cis(16, 4, device=device)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        rope_ext.apply_rotary(x, table, inplace=True)
+
+
+def test_inplace_bumps_version_so_stale_saves_are_caught(device):
+    x = torch.randn(1, 4, 16, device=device, requires_grad=True)
+    h = x * 1.0
+    y = h.sigmoid()  # saves h's output for backward
+    v = y._version
+    rope_ext.apply_rotary(y, rope_ext.precompute_freqs_cis(16, 4, device=device), inplace=True)
+    assert y._version == v + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
