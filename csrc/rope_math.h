@@ -53,12 +53,15 @@ struct RotaryParams {
   bool inverse;      // rotate by the negative angle
 };
 
-// Rotates the pair (x0, x1) by the angle whose cosine and sine are c and s. Templated so that
-// the CPU vector path (at::vec::Vectorized) and every scalar path run the same expression.
+// Rotates the pair (x0, x1) by the angle whose cosine and sine are c and s; y0 / y1 may be
+// x0 / x1 themselves. Templated so that the CPU vector path (at::vec::Vectorized) and every
+// scalar path run the same expression.
 template <typename T>
 ROPE_HD void rotate_pair(const T& x0, const T& x1, const T& c, const T& s, T& y0, T& y1) {
-  y0 = x0 * c - x1 * s;
-  y1 = x0 * s + x1 * c;
+  const T r0 = x0 * c - x1 * s;
+  const T r1 = x0 * s + x1 * c;
+  y0 = r0;
+  y1 = r1;
 }
 
 // Feature indices of pair i: (2i, 2i+1) interleaved (LLaMA, GPT-J), (i, i + R/2) otherwise

@@ -3,7 +3,11 @@ import torch
 
 import rope_ext
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Every device-parametrised test also runs on CUDA when a GPU is present (skipped otherwise).
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 # Output (in its dtype) against the float64 reference: the op computes in float32 (float64

@@ -1,0 +1,106 @@
+"""CUDA-only behaviour: agreement with the CPU kernels, vector and scalar paths, CUDA graphs,
+reduce-overhead compile, device-side position asserts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rope_ext
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (128, 64), (80, 80), (72, 40), (6, 4)])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_cuda_agrees_with_cpu(dtype, interleaved, head_dim, rotary_dim, misaligned):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3 * 17 * 5 * head_dim + 1, generator=gen).to(dtype)
+    # A storage offset of one element defeats 16-byte alignment: the scalar path.
+    x = base[1:] if misaligned else base[:-1]
+    x = x.view(3, 17, 5, head_dim)
+    table = rope_ext.precompute_freqs_cis(rotary_dim, 40)
+    positions = torch.randint(0, 40, (3, 17, 1), generator=gen)
+    kwargs = dict(positions=positions, interleaved=interleaved)
+    want = rope_ext.apply_rotary(x, table, **kwargs)
+    got = rope_ext.apply_rotary(x.cuda(), table.cuda(), **{**kwargs, "positions": positions.cuda()})
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6}.get(dtype, 1e-2)
+    torch.testing.assert_close(got.cpu().double(), want.double(), atol=tol, rtol=tol)
+
+
+def test_cuda_table_matches_cpu():
+    for dtype in (torch.float32, torch.float64):
+        got = rope_ext.precompute_freqs_cis(128, 70000, device="cuda", dtype=dtype).cpu()
+        want = rope_ext.precompute_freqs_cis(128, 70000, dtype=dtype)
+        torch.testing.assert_close(got, want, atol=1.2e-7 if dtype == torch.float32 else 1e-12, rtol=0)
+
+
+def test_cuda_graph_capture_and_replay():
+    table = rope_ext.precompute_freqs_cis(128, 256, device="cuda")
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    positions = torch.zeros(4, 1, 1, dtype=torch.int64, device="cuda")
+    static_q, static_k = q.clone(), k.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture
+        rope_ext.apply_rotary_qk(static_q, static_k, table, positions=positions, inplace=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_q, out_k = rope_ext.apply_rotary_qk(static_q, static_k, table, positions=positions)
+    for step in [3, 17, 200]:
+        positions.fill_(step)
+        static_q.copy_(q)
+        static_k.copy_(k)
+        graph.replay()
+        want_q, want_k = rope_ext.apply_rotary_qk(q, k, table, offset=step)
+        torch.testing.assert_close(out_q, want_q, atol=0, rtol=0)
+        torch.testing.assert_close(out_k, want_k, atol=0, rtol=0)
+
+
+def test_compile_reduce_overhead():
+    table = rope_ext.precompute_freqs_cis(64, 128, device="cuda")
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(q, k, positions):
+        return rope_ext.apply_rotary_qk(q * 1, k * 1, table, positions=positions)
+
+    for i in range(4):
+        q = torch.randn(8, 1, 4, 64, device="cuda")
+        k = torch.randn(8, 1, 2, 64, device="cuda")
+        positions = torch.full((8, 1, 1), 10 + i, device="cuda")
+        got = step(q, k, positions)
+        want = rope_ext.apply_rotary_qk(q, k, table, offset=10 + i)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+def test_out_of_range_position_is_a_device_assert():
+    code = ("import torch, rope_ext\n"
+            "t = rope_ext.precompute_freqs_cis(16, 8, device='cuda')\n"
+            "x = torch.randn(1, 2, 16, device='cuda')\n"
+            "rope_ext.apply_rotary(x, t, positions=torch.tensor([1, 8], device='cuda'))\n"
+            "torch.cuda.synchronize()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+    assert run.returncode != 0
+    assert "offset + positions must lie in" in run.stderr or "device-side assert" in run.stderr
+
+
+def test_other_stream_and_device_guard():
+    table = rope_ext.precompute_freqs_cis(32, 16, device="cuda")
+    x = torch.randn(2, 16, 2, 32, device="cuda")
+    want = rope_ext.apply_rotary(x, table)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = rope_ext.apply_rotary(x, table)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
