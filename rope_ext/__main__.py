@@ -1,0 +1,85 @@
+"""python -m rope_ext: what this build holds, a self-check against the float64 reference on
+every available device, and a short benchmark for a LLaMA-7B-like shape."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import _native, api, benchmark, reference
+
+
+def self_check(device: str) -> list[str]:
+    """Compares each op family with the float64 reference; returns failures."""
+    failures = []
+    gen = torch.Generator().manual_seed(0)
+    table = api.precompute_freqs_cis(64, 128, device=device)
+    real = torch.view_as_real(table).double()
+    tolerance = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3,
+                 torch.float64: 1e-12}
+    for dtype, tol in tolerance.items():
+        for interleaved in (True, False):
+            q = torch.randn(2, 64, 8, 64, generator=gen).to(device, dtype)
+            k = torch.randn(2, 64, 2, 64, generator=gen).to(device, dtype)
+            positions = torch.randint(0, 128, (2, 64, 1), generator=gen).to(device)
+            kwargs = dict(positions=positions, interleaved=interleaved)
+            want = [reference.apply_rotary(t.double(), real, **kwargs) for t in (q, k)]
+            got = api.apply_rotary_qk(q, k, table, **kwargs)
+            got_inplace = api.apply_rotary_qk(q.clone(), k.clone(), table, inplace=True, **kwargs)
+            for g, w in zip((*got, *got_inplace), want * 2):
+                err = (g.double() - w).abs().max().item()
+                if err > tol * (1 + w.abs().max().item()):
+                    failures.append(f"{device} {dtype} interleaved={interleaved}: error {err:.3g}")
+    exact = reference.precompute_freqs_cis(64, 128, device=device)
+    if (table - exact).abs().max().item() > 1.2e-7:
+        failures.append(f"{device} precompute_freqs_cis differs from the float64 table")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rope_ext", description=__doc__)
+    parser.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave torch.compile out of the benchmark (it compiles for ~1 min on CPU)")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    args = parser.parse_args(argv)
+
+    print(f"rope_ext {__import__('rope_ext').__version__}  torch {torch.__version__}"
+          f"  (CUDA {torch.version.cuda or 'none'})")
+    if _native.LOADED:
+        info = _native.build_info()
+        print(f"native CPU kernel : {info['cpu_kernel']} (torch picks {info['torch_cpu_capability']})")
+        print(f"native CUDA kernel: {'yes, ' + info['cuda_archs'] if info['cuda'] == 'yes' else 'not built'}")
+    else:
+        print(f"native kernels    : not loaded ({_native.LOAD_ERROR}); using the eager path")
+    if not api.native_available() and _native.LOADED:
+        print("native kernels    : disabled by ROPE_EXT_DISABLE_NATIVE=1; using the eager path")
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    print(f"GPU               : {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+    ok = True
+    for device in devices:
+        path = "native" if _native.supports(torch.device(device)) else "eager fallback"
+        failures = self_check(device)
+        ok &= not failures
+        print(f"self-check {device:4s}   : {'ok' if not failures else 'FAILED'} ({path})")
+        for failure in failures:
+            print(f"  {failure}")
+
+    if not args.no_bench:
+        for device in devices:
+            for dtype in (torch.bfloat16, torch.float32):
+                case = benchmark.Case(1, args.seq, 32, 32, 128, dtype, device, name="LLaMA-7B")
+                only = ["rope_ext in-place", "rope_ext", "eager complex (LLaMA)",
+                        "compiled complex (LLaMA)"]
+                results = benchmark.run_case(case, include_compile=not args.no_compile,
+                                             min_run_time=0.3, only=only)
+                print()
+                print(benchmark.markdown_table(results))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

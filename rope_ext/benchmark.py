@@ -1,0 +1,239 @@
+"""Timing of RoPE providers against the copy bound, shared by `python -m rope_ext` and
+benchmarks/bench_rope.py.
+
+Every provider rotates q and k of one case; its bytes are what q and k must move (read once,
+written once), so GB/s compares directly with copying the same bytes, measured in the same
+run: `copy_` into preallocated buffers (the bound for in-place calls) and `clone` (a fresh
+allocation, the bound for out-of-place calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+from typing import Callable
+
+import torch
+
+from . import api, reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """q [batch, seq, q_heads, head_dim] and k [batch, seq, k_heads, head_dim]."""
+
+    batch: int
+    seq: int
+    q_heads: int
+    k_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+    rotary_dim: int | None = None  # partial rotary when < head_dim
+    decode_offset: int = 0  # positions start here (KV-cache decode)
+    name: str = ""
+
+    @property
+    def bytes_moved(self) -> int:
+        elems = self.batch * self.seq * (self.q_heads + self.k_heads) * self.head_dim
+        return 2 * elems * torch.empty((), dtype=self.dtype).element_size()
+
+    def label(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        rot = f" rot{self.rotary_dim}" if self.rotary_dim not in (None, self.head_dim) else ""
+        return (f"{self.name + ' ' if self.name else ''}[{self.batch},{self.seq},{self.q_heads}"
+                f"/{self.k_heads},{self.head_dim}]{rot} {dt} {self.device}")
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    freqs_cis: torch.Tensor  # complex [P, R/2]
+    cos: torch.Tensor  # [S, R] in q's dtype, HF's half-split form
+    sin: torch.Tensor
+
+
+def make_inputs(case: Case) -> Inputs:
+    gen = torch.Generator().manual_seed(0)
+    rot = case.rotary_dim or case.head_dim
+
+    def randn(heads):
+        shape = (case.batch, case.seq, heads, case.head_dim)
+        return torch.randn(shape, generator=gen).to(device=case.device, dtype=case.dtype)
+
+    table = api.precompute_freqs_cis(rot, case.decode_offset + case.seq, device=case.device)
+    rows = torch.view_as_real(table[case.decode_offset:])
+    cos = torch.cat([rows[..., 0], rows[..., 0]], -1).to(case.dtype)
+    sin = torch.cat([rows[..., 1], rows[..., 1]], -1).to(case.dtype)
+    return Inputs(randn(case.q_heads), randn(case.k_heads), table, cos, sin)
+
+
+def _llama_eager(q, k, freqs_cis, offset):
+    return reference.llama_apply_rotary_emb(q, k, freqs_cis[offset:offset + q.shape[1]])
+
+
+def _hf_eager(q, k, cos, sin):
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [S, 1, R] against [B, S, H, D]
+
+    def one(x):
+        xr, rest = x[..., :rot], x[..., rot:]
+        return torch.cat([xr * cos + reference.rotate_half(xr) * sin, rest], -1)
+
+    return one(q), one(k)
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def _compiled_fn(name: str, fn: Callable) -> Callable:
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    return _compiled[name]
+
+
+def providers(case: Case, inputs: Inputs, include_compile: bool = True,
+              include_backward: bool = False) -> dict[str, Callable[[], object]]:
+    """name -> zero-argument callable, for one case. Third-party kernels join when importable."""
+    q, k, table, off = inputs.q, inputs.k, inputs.freqs_cis, case.decode_offset
+    interleaved_table = table
+    buffers = (torch.empty_like(q), torch.empty_like(k))
+    out: dict[str, Callable[[], object]] = {
+        "copy_ (bound, in-place)": lambda: (buffers[0].copy_(q), buffers[1].copy_(k)),
+        "clone (bound, out-of-place)": lambda: (q.clone(), k.clone()),
+        "rope_ext in-place": lambda: api.apply_rotary_qk(q, k, table, offset=off, inplace=True),
+        "rope_ext": lambda: api.apply_rotary_qk(q, k, table, offset=off),
+        "rope_ext half-split": lambda: api.apply_rotary_qk(q, k, table, offset=off,
+                                                           interleaved=False),
+    }
+    if case.rotary_dim in (None, case.head_dim):
+        out["eager complex (LLaMA)"] = lambda: _llama_eager(q, k, interleaved_table, off)
+    out["eager rotate_half (HF)"] = lambda: _hf_eager(q, k, inputs.cos, inputs.sin)
+    if include_compile:
+        if case.rotary_dim in (None, case.head_dim):
+            llama = _compiled_fn("llama", _llama_eager)
+            out["compiled complex (LLaMA)"] = lambda: llama(q, k, interleaved_table, off)
+        hf = _compiled_fn("hf", _hf_eager)
+        out["compiled rotate_half (HF)"] = lambda: hf(q, k, inputs.cos, inputs.sin)
+    if include_backward:
+        qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        grads = (torch.randn_like(q), torch.randn_like(k))
+
+        def fwd_bwd():
+            a, b = api.apply_rotary_qk(qg, kg, table, offset=off)
+            torch.autograd.backward((a, b), grads)
+
+        out["rope_ext fwd+bwd"] = fwd_bwd
+    out.update(third_party(case, inputs))
+    return out
+
+
+def third_party(case: Case, inputs: Inputs) -> dict[str, Callable[[], object]]:
+    """flash-attn, Liger, FlashInfer and vLLM kernels, when installed (CUDA only)."""
+    found: dict[str, Callable[[], object]] = {}
+    if case.device != "cuda":
+        return found
+    q, k = inputs.q, inputs.k
+    half = inputs.cos[:, : inputs.cos.shape[-1] // 2].contiguous()
+    half_sin = inputs.sin[:, : inputs.sin.shape[-1] // 2].contiguous()
+    if importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn.layers.rotary import apply_rotary_emb as fa_rotary
+
+        found["flash-attn (Triton)"] = lambda: (
+            fa_rotary(q, half, half_sin, interleaved=True, inplace=True),
+            fa_rotary(k, half, half_sin, interleaved=True, inplace=True))
+    if importlib.util.find_spec("liger_kernel") is not None:
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        cos_b, sin_b = inputs.cos[None], inputs.sin[None]
+        found["Liger (Triton)"] = lambda: LigerRopeFunction.apply(
+            q.transpose(1, 2), k.transpose(1, 2), cos_b, sin_b)
+    # FlashInfer and vLLM take tokens flattened, [T, heads * head_dim], a float32 cache
+    # [S, R] holding cos then sin, and int64 positions [T]; both rotate in place.
+    tokens = case.batch * case.seq
+    flat_q, flat_k = q.view(tokens, -1), k.view(tokens, -1)
+    cache = torch.cat([half, half_sin], -1).float()
+    positions = torch.arange(case.seq, device=q.device).repeat(case.batch)
+    if importlib.util.find_spec("flashinfer") is not None:
+        from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
+
+        found["FlashInfer"] = lambda: apply_rope_with_cos_sin_cache_inplace(
+            positions, flat_q, flat_k, case.head_dim, cache, is_neox=False)
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm import _custom_ops as vllm_ops
+
+        found["vLLM"] = lambda: vllm_ops.rotary_embedding(
+            positions, flat_q, flat_k, case.head_dim, cache, False)
+    return found
+
+
+def missing_third_party(device: str) -> list[str]:
+    names = {"flash_attn": "flash-attn", "liger_kernel": "Liger", "flashinfer": "FlashInfer",
+             "vllm": "vLLM"}
+    if device != "cuda":
+        return [f"{n} (CUDA only)" for n in names.values()]
+    return [n for mod, n in names.items() if importlib.util.find_spec(mod) is None]
+
+
+def time_fn(fn: Callable[[], object], device: str, min_run_time: float = 0.5) -> float:
+    """Median seconds per call: torch.utils.benchmark on CPU, CUDA events on GPU."""
+    if device == "cuda":
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        start = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
+        end = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
+        for s, e in zip(start, end):
+            s.record()
+            for _ in range(10):
+                fn()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) / 10 for s, e in zip(start, end)) / 1e3
+    from torch.utils import benchmark
+
+    fn()
+    timer = benchmark.Timer("fn()", globals={"fn": fn})
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    provider: str
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.case.bytes_moved / self.seconds / 1e9
+
+
+def run_case(case: Case, include_compile: bool = True, include_backward: bool = False,
+             min_run_time: float = 0.5, only: list[str] | None = None) -> list[Result]:
+    inputs = make_inputs(case)
+    results = []
+    for name, fn in providers(case, inputs, include_compile, include_backward).items():
+        if only and name not in only and not name.startswith(("copy_", "clone")):
+            continue
+        results.append(Result(case, name, time_fn(fn, case.device, min_run_time)))
+    return results
+
+
+def markdown_table(results: list[Result]) -> str:
+    """One row per provider: ms, GB/s, ratio to the bound it competes with, speedups."""
+    lines = []
+    for label in dict.fromkeys(r.case.label() for r in results):
+        rows = [r for r in results if r.case.label() == label]
+        by = {r.provider: r.seconds for r in rows}
+        copy = by.get("copy_ (bound, in-place)")
+        clone = by.get("clone (bound, out-of-place)")
+        lines += [f"**{label}**", "",
+                  "| provider | ms | GB/s | time / copy_ | time / clone |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r.provider} | {r.seconds * 1e3:.3f} | {r.gbps:.1f} | "
+                         f"{r.seconds / copy:.2f} | {r.seconds / clone:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
