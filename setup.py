@@ -28,6 +28,9 @@ ISA_FLAGS = {
     str(CSRC / "cpu" / "rope_cpu_kernel_avx512.cpp"): [
         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
     ],
+    str(CSRC / "cpu" / "rope_cpu_kernel_avx512_bf16.cpp"): [
+        "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mavx512bf16",
+    ],
 }
 DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
 

@@ -32,6 +32,7 @@ class Case:
     device: str
     rotary_dim: int | None = None  # partial rotary when < head_dim
     decode_offset: int = 0  # positions start here (KV-cache decode)
+    varlen: bool = False  # one packed batch of sequences, positions restarting per sequence
     name: str = ""
 
     @property
@@ -53,6 +54,16 @@ class Inputs:
     freqs_cis: torch.Tensor  # complex [P, R/2]
     cos: torch.Tensor  # [S, R] in q's dtype, HF's half-split form
     sin: torch.Tensor
+    positions: torch.Tensor | None  # [1, S, 1] for varlen cases
+
+
+def packed_positions(total: int, gen: torch.Generator) -> torch.Tensor:
+    """Positions of sequences of random lengths (64..1024) packed into `total` tokens."""
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(64, 1025, (), generator=gen)))
+    lengths[-1] -= sum(lengths) - total
+    return torch.cat([torch.arange(n) for n in lengths])
 
 
 def make_inputs(case: Case) -> Inputs:
@@ -64,10 +75,16 @@ def make_inputs(case: Case) -> Inputs:
         return torch.randn(shape, generator=gen).to(device=case.device, dtype=case.dtype)
 
     table = api.precompute_freqs_cis(rot, case.decode_offset + case.seq, device=case.device)
-    rows = torch.view_as_real(table[case.decode_offset:])
+    positions = None
+    if case.varlen:
+        positions = packed_positions(case.seq, gen).to(case.device)
+        rows = torch.view_as_real(table[positions])
+        positions = positions.view(1, case.seq, 1)
+    else:
+        rows = torch.view_as_real(table[case.decode_offset:])
     cos = torch.cat([rows[..., 0], rows[..., 0]], -1).to(case.dtype)
     sin = torch.cat([rows[..., 1], rows[..., 1]], -1).to(case.dtype)
-    return Inputs(randn(case.q_heads), randn(case.k_heads), table, cos, sin)
+    return Inputs(randn(case.q_heads), randn(case.k_heads), table, cos, sin, positions)
 
 
 def _llama_eager(q, k, freqs_cis, offset):
@@ -89,7 +106,10 @@ _compiled: dict[str, Callable] = {}
 
 
 def _compiled_fn(name: str, fn: Callable) -> Callable:
+    """torch.compile of fn, specialised per shape as a user's static-shape model would be."""
     if name not in _compiled:
+        # Each case's shapes compile anew; a sweep must not fall back to eager at the limit.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _compiled[name] = torch.compile(fn, dynamic=False)
     return _compiled[name]
 
@@ -97,24 +117,28 @@ def _compiled_fn(name: str, fn: Callable) -> Callable:
 def providers(case: Case, inputs: Inputs, include_compile: bool = True,
               include_backward: bool = False) -> dict[str, Callable[[], object]]:
     """name -> zero-argument callable, for one case. Third-party kernels join when importable."""
-    q, k, table, off = inputs.q, inputs.k, inputs.freqs_cis, case.decode_offset
-    interleaved_table = table
+    q, k, table = inputs.q, inputs.k, inputs.freqs_cis
+    where = dict(offset=case.decode_offset, positions=inputs.positions)
     buffers = (torch.empty_like(q), torch.empty_like(k))
     out: dict[str, Callable[[], object]] = {
         "copy_ (bound, in-place)": lambda: (buffers[0].copy_(q), buffers[1].copy_(k)),
         "clone (bound, out-of-place)": lambda: (q.clone(), k.clone()),
-        "rope_ext in-place": lambda: api.apply_rotary_qk(q, k, table, offset=off, inplace=True),
-        "rope_ext": lambda: api.apply_rotary_qk(q, k, table, offset=off),
-        "rope_ext half-split": lambda: api.apply_rotary_qk(q, k, table, offset=off,
-                                                           interleaved=False),
+        "rope_ext in-place": lambda: api.apply_rotary_qk(q, k, table, inplace=True, **where),
+        "rope_ext": lambda: api.apply_rotary_qk(q, k, table, **where),
+        "rope_ext half-split": lambda: api.apply_rotary_qk(q, k, table, interleaved=False,
+                                                           **where),
     }
-    if case.rotary_dim in (None, case.head_dim):
-        out["eager complex (LLaMA)"] = lambda: _llama_eager(q, k, interleaved_table, off)
+    full = case.rotary_dim in (None, case.head_dim)
+    if full and not case.varlen:
+        out["eager complex (LLaMA)"] = lambda: _llama_eager(q, k, table, case.decode_offset)
+    elif full:  # the same complex product, with a row gather for the packed positions
+        out["eager complex (LLaMA)"] = lambda: (reference.apply_rotary(q, table, **where),
+                                                reference.apply_rotary(k, table, **where))
     out["eager rotate_half (HF)"] = lambda: _hf_eager(q, k, inputs.cos, inputs.sin)
     if include_compile:
-        if case.rotary_dim in (None, case.head_dim):
+        if full and not case.varlen:
             llama = _compiled_fn("llama", _llama_eager)
-            out["compiled complex (LLaMA)"] = lambda: llama(q, k, interleaved_table, off)
+            out["compiled complex (LLaMA)"] = lambda: llama(q, k, table, case.decode_offset)
         hf = _compiled_fn("hf", _hf_eager)
         out["compiled rotate_half (HF)"] = lambda: hf(q, k, inputs.cos, inputs.sin)
     if include_backward:
@@ -122,7 +146,7 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
         grads = (torch.randn_like(q), torch.randn_like(k))
 
         def fwd_bwd():
-            a, b = api.apply_rotary_qk(qg, kg, table, offset=off)
+            a, b = api.apply_rotary_qk(qg, kg, table, **where)
             torch.autograd.backward((a, b), grads)
 
         out["rope_ext fwd+bwd"] = fwd_bwd
@@ -133,7 +157,7 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
 def third_party(case: Case, inputs: Inputs) -> dict[str, Callable[[], object]]:
     """flash-attn, Liger, FlashInfer and vLLM kernels, when installed (CUDA only)."""
     found: dict[str, Callable[[], object]] = {}
-    if case.device != "cuda":
+    if case.device != "cuda" or case.varlen:
         return found
     q, k = inputs.q, inputs.k
     half = inputs.cos[:, : inputs.cos.shape[-1] // 2].contiguous()
@@ -195,7 +219,8 @@ def time_fn(fn: Callable[[], object], device: str, min_run_time: float = 0.5) ->
     from torch.utils import benchmark
 
     fn()
-    timer = benchmark.Timer("fn()", globals={"fn": fn})
+    # Timer runs single-threaded unless told otherwise; measure with torch's thread count.
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
@@ -211,14 +236,23 @@ class Result:
 
 
 def run_case(case: Case, include_compile: bool = True, include_backward: bool = False,
-             min_run_time: float = 0.5, only: list[str] | None = None) -> list[Result]:
+             min_run_time: float = 0.5, only: list[str] | None = None,
+             rounds: int = 5) -> list[Result]:
+    """Times every provider in `rounds` interleaved rounds and keeps each one's median round.
+
+    Interleaving puts the bound and the kernels under the same machine conditions; the median
+    round discards bursts of interference from other tenants, and lucky rounds too (a large
+    allocation that happens to reuse pages the allocator kept).
+    """
     inputs = make_inputs(case)
-    results = []
-    for name, fn in providers(case, inputs, include_compile, include_backward).items():
-        if only and name not in only and not name.startswith(("copy_", "clone")):
-            continue
-        results.append(Result(case, name, time_fn(fn, case.device, min_run_time)))
-    return results
+    chosen = {name: fn for name, fn in providers(case, inputs, include_compile,
+                                                 include_backward).items()
+              if not only or name in only or name.startswith(("copy_", "clone"))}
+    times: dict[str, list[float]] = {name: [] for name in chosen}
+    for _ in range(rounds):
+        for name, fn in chosen.items():
+            times[name].append(time_fn(fn, case.device, min_run_time / rounds))
+    return [Result(case, name, statistics.median(t)) for name, t in times.items()]
 
 
 def markdown_table(results: list[Result]) -> str:

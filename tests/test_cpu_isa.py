@@ -1,4 +1,4 @@
-"""Each per-instruction-set CPU kernel (picked like ATen's, ATEN_CPU_CAPABILITY) is right."""
+"""Each per-instruction-set CPU kernel is right, and the run-time choice follows torch's."""
 
 import os
 import subprocess
@@ -26,12 +26,29 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_kernel_variant(capability):
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env)
-    assert run.returncode == 0, run.stderr
-    kernel, status = run.stdout.split()
-    # The variant torch chose, unless this processor lacks it (then a narrower one).
-    assert kernel == capability.upper() or capability != "default"
-    assert status == "ok"
+VARIANTS = ["DEFAULT", "AVX2", "AVX512", "AVX512_BF16"]
+CPU_FLAGS = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+NEEDS = {"DEFAULT": [], "AVX2": ["avx2", "fma", "f16c"], "AVX512": ["avx512f", "avx512bw"],
+         "AVX512_BF16": ["avx512f", "avx512bw", "avx512_bf16"]}
+
+
+def run(env):
+    return subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          env=dict(os.environ, **env))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_variant(variant):
+    if any(flag not in CPU_FLAGS.split() for flag in NEEDS[variant]):
+        pytest.skip(f"this processor cannot run {variant}")
+    result = run({"ROPE_EXT_CPU_KERNEL": variant})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [variant, "ok"]
+
+
+@pytest.mark.parametrize("capability,widest", [("default", "DEFAULT"), ("avx2", "AVX2")])
+def test_choice_follows_aten_cpu_capability(capability, widest):
+    result = run({"ATEN_CPU_CAPABILITY": capability})
+    assert result.returncode == 0, result.stderr
+    kernel = result.stdout.split()[0]
+    assert kernel == widest or (widest == "AVX2" and "avx2" not in CPU_FLAGS)

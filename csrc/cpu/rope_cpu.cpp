@@ -5,7 +5,9 @@
 #include <ATen/ops/aminmax.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "../rope_backend.h"
 #include "../rope_build.h"
@@ -20,25 +22,50 @@ struct KernelChoice {
   const char* name;
 };
 
-// The widest kernel this build holds that both this processor and torch's own choice allow
-// (torch honours ATEN_CPU_CAPABILITY=default|avx2|avx512, and so does rope_ext).
+bool cpu_has(const std::string& variant) {
+  if (variant == "AVX2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (variant == "AVX512") {
+    return avx512;
+  }
+  return variant == "AVX512_BF16" && avx512 && __builtin_cpu_supports("avx512bf16");
+}
+
+// The widest kernel this build holds that this processor runs and torch's own choice allows
+// (torch honours ATEN_CPU_CAPABILITY=default|avx2|avx512). ROPE_EXT_CPU_KERNEL names a
+// variant outright (DEFAULT, AVX2, AVX512, AVX512_BF16), for tests and comparisons.
 KernelChoice choose_kernel() {
-#if defined(ROPE_EXT_HAVE_AVX512)
-  const std::string torch_choice = at::get_cpu_capability();
-  if (torch_choice == "AVX512" && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq")) {
-    return {AVX512::rotary_kernel, "AVX512"};
-  }
-#endif
+  std::vector<KernelChoice> built = {{DEFAULT::rotary_kernel, "DEFAULT"}};
 #if defined(ROPE_EXT_HAVE_AVX2)
-  const std::string choice = at::get_cpu_capability();
-  if ((choice == "AVX2" || choice == "AVX512") && __builtin_cpu_supports("avx2") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return {AVX2::rotary_kernel, "AVX2"};
-  }
+  built.push_back({AVX2::rotary_kernel, "AVX2"});
 #endif
-  return {DEFAULT::rotary_kernel, "DEFAULT"};
+#if defined(ROPE_EXT_HAVE_AVX512)
+  built.push_back({AVX512::rotary_kernel, "AVX512"});
+  built.push_back({AVX512_BF16::rotary_kernel, "AVX512_BF16"});
+#endif
+  if (const char* forced = std::getenv("ROPE_EXT_CPU_KERNEL")) {
+    for (const auto& k : built) {
+      if (forced == std::string(k.name)) {
+        TORCH_CHECK(k.name == std::string("DEFAULT") || cpu_has(k.name),
+                    "ROPE_EXT_CPU_KERNEL=", forced, ": this processor cannot run it");
+        return k;
+      }
+    }
+    TORCH_CHECK(false, "ROPE_EXT_CPU_KERNEL=", forced, " names no kernel of this build");
+  }
+  const std::string torch_choice = at::get_cpu_capability();
+  const int allowed = torch_choice == "AVX512" ? 3 : torch_choice == "AVX2" ? 1 : 0;
+  KernelChoice choice = built.front();
+  for (size_t i = 1; i < built.size(); ++i) {
+    if (static_cast<int>(i) <= allowed && cpu_has(built[i].name)) {
+      choice = built[i];
+    }
+  }
+  return choice;
 }
 
 const KernelChoice& kernel_choice() {

@@ -1,6 +1,6 @@
 // The vectorised CPU rotary kernel, compiled once per instruction set (as ATen's
-// CPU_CAPABILITY builds are): rope_cpu_kernel_{default,avx2,avx512}.cpp. rope_cpu.cpp picks
-// one at run time.
+// CPU_CAPABILITY builds are): rope_cpu_kernel_{default,avx2,avx512,avx512_bf16}.cpp.
+// rope_cpu.cpp picks one at run time.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -19,6 +19,9 @@ namespace AVX2 {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 }
 namespace AVX512 {
+void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+}
+namespace AVX512_BF16 {  // AVX512 plus the AVX512-BF16 conversions
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 }
 

@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""RoPE providers side by side against the copy bound, on CPU and CUDA.
+
+Reports a Markdown table on stdout, and writes CSV, JSON and (with matplotlib) a PNG plot of
+GB/s against sequence length per provider, the copy bound drawn as a line.
+
+Examples:
+  python benchmarks/bench_rope.py                            # core cases, every device
+  python benchmarks/bench_rope.py --suite all --out benchmarks/results/cpu
+  python benchmarks/bench_rope.py --suite prefill --device cuda --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rope_ext import _native, benchmark
+from rope_ext.benchmark import Case
+
+SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim")
+
+
+def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
+    def c(b, s, hq, hk, d, **kw):
+        return Case(b, s, hq, hk, d, dtype, device, **kw)
+
+    if suite == "core":  # the shapes the issues' targets are stated for
+        if device == "cuda":
+            return [c(4, 4096, 32, 8, 128, name="prefill GQA"),
+                    c(64, 1, 32, 32, 128, decode_offset=4000, name="decode")]
+        return [c(1, 2048, 32, 32, 128, name="LLaMA-7B"),
+                c(32, 1, 32, 32, 128, decode_offset=1000, name="decode")]
+    if suite == "prefill":
+        return [c(1, s, 32, 32, 128, name="prefill") for s in (128, 512, 2048, 8192, 32768)]
+    if suite == "gqa":
+        return [c(1, s, 32, 8, 128, name="GQA") for s in (512, 4096)]
+    if suite == "decode":
+        return [c(b, 1, 32, 8, 128, decode_offset=1000, name="decode") for b in (1, 8, 32, 64)]
+    if suite == "varlen":
+        return [c(1, 8192, 32, 8, 128, varlen=True, name="packed varlen")]
+    if suite == "partial":
+        return [c(1, 4096, 32, 8, 128, rotary_dim=64, name="partial rotary")]
+    if suite == "head_dim":
+        return [c(1, 2048, 32, 8, d, name="head_dim") for d in (64, 80, 128, 256)]
+    raise ValueError(suite)
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = width * self.done // self.total
+        elapsed = time.monotonic() - self.start
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{elapsed:5.0f}s {label[:60]:60s}")
+        if self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def plot(results: list[benchmark.Result], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install '.[bench]')", file=sys.stderr)
+        return False
+    sweep = [r for r in results if r.case.name == "prefill"]
+    if not sweep:
+        return False
+    panels = sorted({(r.case.device, str(r.case.dtype).removeprefix("torch.")) for r in sweep})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, (device, dtype) in zip(axes[0], panels):
+        rows = [r for r in sweep if r.case.device == device and str(r.case.dtype).endswith(dtype)]
+        for provider in dict.fromkeys(r.provider for r in rows):
+            pts = sorted((r.case.seq, r.gbps) for r in rows if r.provider == provider)
+            bound = provider.startswith(("copy_", "clone"))
+            ax.plot(*zip(*pts), linestyle="--" if bound else "-", marker="" if bound else "o",
+                    color="black" if provider.startswith("copy_") else None,
+                    linewidth=2 if bound or provider.startswith("rope_ext") else 1,
+                    label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (q and k [1, S, 32, 128])")
+        ax.set_ylabel("GB/s (q and k read + written)")
+        ax.set_title(f"{device} {dtype}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", default="core", choices=SUITES + ("all",),
+                        help="which cases (default core; all = every suite)")
+    parser.add_argument("--device", default="all", choices=("all", "cpu", "cuda"))
+    parser.add_argument("--dtypes", default="bfloat16,float32",
+                        help="comma-separated: bfloat16,float16,float32 (default bfloat16,float32)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile providers")
+    parser.add_argument("--backward", action="store_true", help="add rope_ext forward+backward")
+    parser.add_argument("--min-run-time", type=float, default=0.5,
+                        help="seconds of CPU timing per provider (default 0.5)")
+    parser.add_argument("--out", type=Path, help="write OUT.csv, OUT.json, OUT.md and OUT.png")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    suites = SUITES[1:] if args.suite == "all" else (args.suite,)
+    todo = [case for d in devices for dt in dtypes for s in suites for case in cases(s, d, dt)]
+
+    progress = Progress(len(todo))
+    results: list[benchmark.Result] = []
+    for case in todo:
+        results += benchmark.run_case(case, include_compile=not args.no_compile,
+                                      include_backward=args.backward,
+                                      min_run_time=args.min_run_time)
+        progress.step(case.label())
+
+    info = _native.build_info()
+    header = [
+        f"rope_ext benchmark: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"CPU kernel {info.get('cpu_kernel', 'none')}, {args.threads} CPU threads"
+        + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else ""),
+        "Command: python benchmarks/bench_rope.py " + " ".join(sys.argv[1:]),
+        "Not measured (not importable here): " + ", ".join(
+            sorted({m for d in devices for m in benchmark.missing_third_party(d)})),
+    ]
+    table = "\n".join(header) + "\n\n" + benchmark.markdown_table(results)
+    print(table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".md").write_text(table)
+        rows = [dict(case=r.case.label(), provider=r.provider, ms=r.seconds * 1e3,
+                     gbps=r.gbps, bytes=r.case.bytes_moved, **{
+                         f: str(getattr(r.case, f)) for f in ("device", "dtype", "seq", "batch")})
+                for r in results]
+        with args.out.with_suffix(".csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            dict(header=header, results=rows), indent=1))
+        if plot(results, args.out.with_suffix(".png")):
+            print(f"plot: {args.out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
