@@ -5,7 +5,7 @@
 
 namespace rope_ext {
 
-// The CPU kernel variant picked at run time for this processor: DEFAULT, AVX2 or AVX512.
+// The CPU kernel variant picked at run time: DEFAULT, AVX2, AVX512 or AVX512_BF16.
 const char* cpu_kernel_name();
 
 // The CUDA architectures compiled in, e.g. "sm_80 sm_90 compute_90"; empty without CUDA.
