@@ -46,10 +46,10 @@ int64_t check_apply_args(
       table.device() == x.device(), op, ": freqs_cis is on ", table.device(), " but ", name,
       " is on ", x.device());
   const int64_t ndim = x.dim();
-  TORCH_CHECK_VALUE(
-      seq_dim >= -ndim && seq_dim <= ndim - 2, op, ": seq_dim must name a dim of ", name,
-      " other than the last, in [", -ndim, ", ", ndim - 2, "], got ", seq_dim);
   const int64_t sd = seq_dim < 0 ? seq_dim + ndim : seq_dim;
+  TORCH_CHECK_VALUE(
+      sd >= 0 && sd <= ndim - 2, op, ": seq_dim must name a dim of ", name,
+      " other than the last, in [", -ndim, ", -2] or [0, ", ndim - 2, "], got ", seq_dim);
   const int64_t rotary_dim = 2 * table.size(1);
   TORCH_CHECK_VALUE(
       rotary_dim <= x.size(-1), op, ": rotary dim 2 * freqs_cis.shape[1] = ", rotary_dim,

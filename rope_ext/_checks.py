@@ -79,12 +79,12 @@ def check_apply_args(
         lambda: f"{op}: freqs_cis is on {table.device} but {name} is on {x.device}",
     )
     ndim = x.dim()
-    torch._check_value(
-        -ndim <= seq_dim <= ndim - 2,
-        lambda: f"{op}: seq_dim must name a dim of {name} other than the last, in "
-        f"[{-ndim}, {ndim - 2}], got {seq_dim}",
-    )
     sd = seq_dim + ndim if seq_dim < 0 else seq_dim
+    torch._check_value(
+        0 <= sd <= ndim - 2,
+        lambda: f"{op}: seq_dim must name a dim of {name} other than the last, in "
+        f"[{-ndim}, -2] or [0, {ndim - 2}], got {seq_dim}",
+    )
     rotary_dim = 2 * table.shape[1]
     torch._check_value(
         rotary_dim <= x.shape[-1],

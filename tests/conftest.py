@@ -33,3 +33,18 @@ def device(request):
 def _require_native():
     # The suite tests the kernels: a silently missing extension must fail, not fall back.
     assert rope_ext.native_available(), rope_ext._native.LOAD_ERROR
+
+
+# Property-based tests: a fixed-seed profile for CI, a larger one on request
+# (ROPE_EXT_HYPOTHESIS_PROFILE=thorough).
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=2000, derandomize=True, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=50000, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(__import__("os").environ.get("ROPE_EXT_HYPOTHESIS_PROFILE", "ci"))

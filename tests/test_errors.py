@@ -37,9 +37,14 @@ APPLY_CASES = [
     ("odd head_dim too small", "apply_rotary", (x_(1, 4, 15), T), {}, ValueError,
      "apply_rotary: rotary dim 2 * freqs_cis.shape[1] = 16 exceeds x's head_dim 15"),
     ("seq_dim last", "apply_rotary", (x_(1, 4, 16), T), dict(seq_dim=2), ValueError,
-     "apply_rotary: seq_dim must name a dim of x other than the last, in [-3, 1], got 2"),
+     "apply_rotary: seq_dim must name a dim of x other than the last, in [-3, -2] or [0, 1], "
+     "got 2"),
+    ("seq_dim -1 is the feature dim", "apply_rotary", (x_(1, 4, 16), T), dict(seq_dim=-1),
+     ValueError, "apply_rotary: seq_dim must name a dim of x other than the last, in [-3, -2] "
+     "or [0, 1], got -1"),
     ("seq_dim too negative", "apply_rotary", (x_(1, 4, 16), T), dict(seq_dim=-4), ValueError,
-     "apply_rotary: seq_dim must name a dim of x other than the last, in [-3, 1], got -4"),
+     "apply_rotary: seq_dim must name a dim of x other than the last, in [-3, -2] or [0, 1], "
+     "got -4"),
     ("sequence past table", "apply_rotary", (x_(1, 6, 16), T), dict(offset=3), ValueError,
      "apply_rotary: offset + x.shape[seq_dim] = 3 + 6 exceeds the 8 rows of freqs_cis"),
     ("negative offset", "apply_rotary", (x_(1, 4, 16), T), dict(offset=-1), ValueError,

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One command for a fresh GPU host: build rope_ext for this GPU, run the CUDA tests, the GPU
+# benchmark and (when present) compute-sanitizer memcheck over a small test. Results go to
+# $OUT (default ./gpu_results): build.log, tests.log, bench.md/.csv/.json/.png, memcheck.log.
+# Sized to finish within 8 minutes on one H200.
+#
+#   bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_results}"
+mkdir -p "$OUT"
+start=$SECONDS
+say() { printf '=== %s (%ds)\n' "$*" $((SECONDS - start)) | tee -a "$OUT/summary.txt"; }
+status=0
+
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" ROPE_EXT_CUDA=1 PYTHONUNBUFFERED=1
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then  # just this GPU's arch: a faster build
+  TORCH_CUDA_ARCH_LIST=$(python -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  export TORCH_CUDA_ARCH_LIST
+fi
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/summary.txt"
+
+say "build (archs $TORCH_CUDA_ARCH_LIST)"
+python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 ||
+  { tail -40 "$OUT/build.log"; say "BUILD FAILED"; exit 1; }
+python -m rope_ext --no-bench 2>&1 | tee -a "$OUT/summary.txt"
+
+say "CUDA tests"
+missing=$(python - <<'PY'
+import importlib.util
+print(" ".join(m for m in ("pytest", "hypothesis", "mpmath", "expecttest") if importlib.util.find_spec(m) is None))
+PY
+)
+[ -n "$missing" ] && python -m pip install -q $missing > /dev/null 2>&1
+if python -c "import pytest, hypothesis, mpmath" 2>/dev/null; then
+  timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_build.py \
+    tests/test_apply.py tests/test_precompute.py tests/test_autograd.py tests/test_compile.py \
+    tests/test_properties.py -k "cuda or test_build" 2>&1 | tail -30 | tee "$OUT/tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+else
+  echo "pytest/hypothesis/mpmath unavailable here: CUDA tests not run" | tee "$OUT/tests.log"
+  status=1
+fi
+
+say "GPU benchmark"
+timeout 240 python benchmarks/bench_rope.py --device cuda --suite core --dtypes bfloat16,float16 \
+  --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.log"
+timeout 120 python benchmarks/bench_rope.py --device cuda --suite prefill --dtypes bfloat16 \
+  --no-compile --out "$OUT/bench_prefill" > /dev/null 2>&1
+
+if command -v compute-sanitizer > /dev/null || [ -x "$CUDA_HOME/bin/compute-sanitizer" ]; then
+  say "compute-sanitizer memcheck"
+  cs=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+  timeout 120 "$cs" --tool memcheck --error-exitcode 1 python -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda.py -k "agrees_with_cpu and bfloat16 and 128" > "$OUT/memcheck.log" 2>&1 ||
+    status=1
+  tail -5 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
+fi
+say "done, status $status"
+exit $status
