@@ -23,8 +23,8 @@ struct Backend {
   // read them without a device synchronisation; nullptr where the kernel asserts instead.
   void (*check_positions)(const char* op, const at::Tensor& positions, int64_t offset,
                           int64_t rows);
-  // Fills out [end, dim // 2, 2] with (cos, sin) of position * theta^(-2i/dim).
-  void (*fill_freqs_cis)(const at::Tensor& out, int64_t dim, double theta);
+  // Fills out [end, R/2, 2] with magnitude * (cos, sin) of position * inv_freq[i].
+  void (*fill_freqs_cis)(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude);
 };
 
 namespace detail {
@@ -133,10 +133,10 @@ void apply_rotary_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 template <const Backend& B>
-void fill_freqs_cis_(const at::Tensor& out, int64_t dim, double theta) {
-  check_freqs_table("fill_freqs_cis_", out, dim, theta);
+void fill_freqs_cis_(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude) {
+  check_freqs_table("fill_freqs_cis_", out, inv_freq);
   if (out.numel() > 0) {
-    B.fill_freqs_cis(out, dim, theta);
+    B.fill_freqs_cis(out, inv_freq.contiguous(), magnitude);
   }
 }
 

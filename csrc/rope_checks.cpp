@@ -118,15 +118,20 @@ void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k)
       !overlap, op, ": q and k overlap in memory; an in-place call needs them disjoint");
 }
 
-void check_freqs_table(const char* op, const at::Tensor& out, int64_t dim, double theta) {
-  TORCH_CHECK_VALUE(dim >= 2, op, ": dim must be >= 2, got ", dim);
-  TORCH_CHECK_VALUE(theta > 0, op, ": theta must be > 0, got ", theta);
+void check_freqs_table(const char* op, const at::Tensor& out, const at::Tensor& inv_freq) {
   TORCH_CHECK_TYPE(
       out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble,
       op, ": out must be float32 or float64, got ", out.scalar_type());
+  TORCH_CHECK_TYPE(inv_freq.scalar_type() == at::kDouble, op,
+                   ": inv_freq must be float64, got ", inv_freq.scalar_type());
+  TORCH_CHECK_VALUE(inv_freq.dim() == 1, op, ": inv_freq must be 1-D, got shape ",
+                    inv_freq.sizes());
   TORCH_CHECK_VALUE(
-      out.dim() == 3 && out.size(1) == dim / 2 && out.size(2) == 2, op,
-      ": out must have shape [end, dim // 2, 2] = [end, ", dim / 2, ", 2], got ", out.sizes());
+      out.dim() == 3 && out.size(1) == inv_freq.size(0) && out.size(2) == 2, op,
+      ": out must have shape [end, inv_freq.shape[0], 2] = [end, ", inv_freq.size(0),
+      ", 2], got ", out.sizes());
+  TORCH_CHECK_VALUE(inv_freq.device() == out.device(), op, ": inv_freq is on ",
+                    inv_freq.device(), " but out is on ", out.device());
 }
 
 RotaryParams make_params(

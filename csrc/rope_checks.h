@@ -32,8 +32,8 @@ void check_inplace_target(const char* op, const char* name, const at::Tensor& x)
 // In-place q and k must not write to the same elements.
 void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k);
 
-// Checks the output table of fill_freqs_cis_.
-void check_freqs_table(const char* op, const at::Tensor& out, int64_t dim, double theta);
+// Checks the output table and the inverse frequencies of fill_freqs_cis_.
+void check_freqs_table(const char* op, const at::Tensor& out, const at::Tensor& inv_freq);
 
 // Table, positions and flags of a call; operands are added with add_operand.
 RotaryParams make_params(

@@ -110,11 +110,12 @@ ROPE_HD double inverse_frequency(int64_t i, int64_t dim, double theta) {
   return pow(theta, -static_cast<double>(2 * i) / static_cast<double>(dim));
 }
 
-// (cos, sin) of position * inv_freq, computed in double.
-ROPE_HD void table_entry(int64_t position, double inv_freq, double& c, double& s) {
+// magnitude * (cos, sin) of position * inv_freq, computed in double.
+ROPE_HD void table_entry(int64_t position, double inv_freq, double magnitude, double& c,
+                         double& s) {
   const double angle = static_cast<double>(position) * inv_freq;
-  c = cos(angle);
-  s = sin(angle);
+  c = magnitude * cos(angle);
+  s = magnitude * sin(angle);
 }
 
 }  // namespace rope_ext

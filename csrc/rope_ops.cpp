@@ -16,13 +16,25 @@ PyMODINIT_FUNC PyInit__C(void) {
 }
 
 TORCH_LIBRARY(rope_ext, m) {
-  // The LLaMA table polar(1, outer(arange(end), theta^(-2i/dim))) as its real view
+  // The scaling variants of Hugging Face transformers configs (rope_parameters / rope_scaling);
+  // rope_type "default" is plain RoPE. See csrc/rope_scaling.h.
+#define ROPE_EXT_SCALING_ARGS                                                                  \
+  "str rope_type=\"default\", float? factor=None, int? original_max_position_embeddings=None, " \
+  "int? max_position_embeddings=None, int? seq_len=None, float low_freq_factor=1.0, "          \
+  "float high_freq_factor=4.0, float? beta_fast=None, float? beta_slow=None, "                 \
+  "float? mscale=None, float? mscale_all_dim=None, float? attention_factor=None, "             \
+  "bool truncate=True, float[]? long_factor=None, float[]? short_factor=None, "                \
+  "float partial_rotary_factor=1.0"
+  // The LLaMA table polar(attention_factor, outer(arange(end), inv_freq)) as its real view
   // [end, dim // 2, 2], angles in float64 rounded once. dtype float32 (default) or float64.
-  m.def(
-      "precompute_freqs_cis(int dim, int end, float theta=10000.0, *, ScalarType? dtype=None, "
-      "Device? device=None) -> Tensor");
-  // Fills out [end, dim // 2, 2] with that table; the backend kernel behind the op above.
-  m.def("fill_freqs_cis_(Tensor(a!) out, int dim, float theta) -> ()");
+  m.def("precompute_freqs_cis(int dim, int end, float theta=10000.0, *, ScalarType? dtype=None, "
+        "Device? device=None, " ROPE_EXT_SCALING_ARGS ") -> Tensor");
+  // The float64 inverse frequencies [dim // 2] (CPU) and attention factor behind that table.
+  m.def("rope_frequencies(int dim, float theta=10000.0, *, " ROPE_EXT_SCALING_ARGS
+        ") -> (Tensor, float)");
+  // Fills out [end, R/2, 2] with magnitude * (cos, sin)(t * inv_freq[i]); inv_freq is float64
+  // [R/2] on out's device. The backend kernel behind precompute_freqs_cis.
+  m.def("fill_freqs_cis_(Tensor(a!) out, Tensor inv_freq, float magnitude) -> ()");
 
   // Rotates x [..., head_dim] by freqs_cis; a row's position is offset + positions[...] with
   // positions (int32/int64, broadcastable to x.shape[:-1]), else offset + its index along

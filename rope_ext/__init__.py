@@ -18,7 +18,9 @@ from .api import (
     apply_rotary_emb,
     apply_rotary_qk,
     native_available,
+    positions_from_cu_seqlens,
     precompute_freqs_cis,
+    rope_frequencies,
 )
 
 build_info = _native.build_info
@@ -29,6 +31,8 @@ __all__ = [
     "apply_rotary_qk",
     "build_info",
     "native_available",
+    "positions_from_cu_seqlens",
     "precompute_freqs_cis",
+    "rope_frequencies",
 ]
 __version__ = "0.1.0"

@@ -190,6 +190,7 @@ def check_positions_in_range(op: str, positions: torch.Tensor, offset: int, rows
 
 
 def check_precompute_args(dim: int, end: int, theta: float, dtype: torch.dtype) -> None:
+    """The checks precompute_freqs_cis makes before the scaling parameters' own."""
     op = "precompute_freqs_cis"
     torch._check_type(
         dtype in TABLE_DTYPES,
@@ -200,16 +201,26 @@ def check_precompute_args(dim: int, end: int, theta: float, dtype: torch.dtype) 
     torch._check_value(theta > 0, lambda: f"{op}: theta must be > 0, got {theta:g}")
 
 
-def check_freqs_table(out: torch.Tensor, dim: int, theta: float) -> None:
+def check_freqs_table(out: torch.Tensor, inv_freq: torch.Tensor) -> None:
     op = "fill_freqs_cis_"
-    torch._check_value(dim >= 2, lambda: f"{op}: dim must be >= 2, got {dim}")
-    torch._check_value(theta > 0, lambda: f"{op}: theta must be > 0, got {theta:g}")
     torch._check_type(
         out.dtype in TABLE_DTYPES,
         lambda: f"{op}: out must be float32 or float64, got {dtype_name(out.dtype)}",
     )
+    torch._check_type(
+        inv_freq.dtype == torch.float64,
+        lambda: f"{op}: inv_freq must be float64, got {dtype_name(inv_freq.dtype)}",
+    )
     torch._check_value(
-        out.dim() == 3 and out.shape[1] == dim // 2 and out.shape[2] == 2,
-        lambda: f"{op}: out must have shape [end, dim // 2, 2] = [end, {dim // 2}, 2], "
-        f"got {list(out.shape)}",
+        inv_freq.dim() == 1,
+        lambda: f"{op}: inv_freq must be 1-D, got shape {list(inv_freq.shape)}",
+    )
+    torch._check_value(
+        out.dim() == 3 and out.shape[1] == inv_freq.shape[0] and out.shape[2] == 2,
+        lambda: f"{op}: out must have shape [end, inv_freq.shape[0], 2] = "
+        f"[end, {inv_freq.shape[0]}, 2], got {list(out.shape)}",
+    )
+    torch._check_value(
+        inv_freq.device == out.device,
+        lambda: f"{op}: inv_freq is on {inv_freq.device} but out is on {out.device}",
     )

@@ -4,20 +4,35 @@ strided as the real kernels make them (empty_like, as the C++ ops allocate)."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import _checks
 
 
+def _real_frequencies(dim, theta, scaling):
+    """The real rope_frequencies op (host arithmetic, no tensor inputs): its checks and values
+    are the fake kernels' too, word for word."""
+    with unset_fake_temporarily():
+        return torch.ops.rope_ext.rope_frequencies.default(dim, theta, **scaling)
+
+
 @torch.library.register_fake("rope_ext::precompute_freqs_cis")
-def _(dim, end, theta=10000.0, *, dtype=None, device=None):
+def _(dim, end, theta=10000.0, *, dtype=None, device=None, **scaling):
     dtype = torch.float32 if dtype is None else dtype
     _checks.check_precompute_args(dim, end, theta, dtype)
+    _real_frequencies(dim, theta, scaling)
     return torch.empty(end, dim // 2, 2, dtype=dtype, device=device or "cpu")
 
 
+@torch.library.register_fake("rope_ext::rope_frequencies")
+def _(dim, theta=10000.0, **scaling):
+    inv_freq, attention_factor = _real_frequencies(dim, theta, scaling)
+    return torch.empty_like(inv_freq), attention_factor
+
+
 @torch.library.register_fake("rope_ext::fill_freqs_cis_")
-def _(out, dim, theta):
-    _checks.check_freqs_table(out, dim, theta)
+def _(out, inv_freq, magnitude):
+    _checks.check_freqs_table(out, inv_freq)
 
 
 @torch.library.register_fake("rope_ext::apply_rotary")

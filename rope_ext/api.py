@@ -18,11 +18,59 @@ def native_available() -> bool:
     return bool(_native.NATIVE_DEVICES)
 
 
+# Keys of a transformers rope_parameters / rope_scaling dict that the native op takes.
+_SCALING_KEYS = (
+    "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
+    "long_factor", "short_factor", "partial_rotary_factor",
+)
+
+
+def scaling_arguments(
+    rope_scaling: dict | None,
+    theta: float,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+) -> tuple[float, dict]:
+    """theta and the op's keyword arguments for a transformers rope dict.
+
+    Accepts transformers 5 `config.rope_parameters` (rope_type, rope_theta, ...) and 4.x
+    `config.rope_scaling` (rope_type or type, ...). Keys the table does not depend on
+    (e.g. mrope_section) are ignored.
+    """
+    kwargs: dict = {}
+    if rope_scaling:
+        params = dict(rope_scaling)
+        kwargs["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+        theta = params.get("rope_theta") or theta
+        for key in _SCALING_KEYS:
+            value = params.get(key)
+            if value is None:
+                continue
+            if key in ("long_factor", "short_factor"):
+                value = [float(v) for v in value]
+            elif key == "original_max_position_embeddings":
+                value = int(value)
+            elif key == "truncate":
+                value = bool(value)
+            else:
+                value = float(value)
+            kwargs[key] = value
+    if max_position_embeddings is not None:
+        kwargs["max_position_embeddings"] = int(max_position_embeddings)
+    if seq_len is not None:
+        kwargs["seq_len"] = int(seq_len)
+    return float(theta), kwargs
+
+
 def precompute_freqs_cis(
     dim: int,
     end: int,
     theta: float = 10000.0,
     *,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -30,16 +78,43 @@ def precompute_freqs_cis(
 
     Angles are computed in float64 and rounded once, so every entry is within 1.2e-7 of the
     exact value for positions below 2**20. dtype float32 gives complex64, float64 complex128.
+
+    rope_scaling: a transformers rope dict (`config.rope_parameters` in transformers 5,
+        `config.rope_scaling` in 4.x) for default, linear, dynamic, yarn, longrope, llama3 or
+        proportional RoPE; its rope_theta, when present, replaces theta. The attention factor
+        (yarn, longrope) is the entries' magnitude. dim is the rotary dim, except for
+        proportional, where it is the head dim and partial_rotary_factor picks the rotated part.
+    max_position_embeddings, seq_len: the model's and the current length, for the variants
+        that depend on them (dynamic, longrope; yarn without factor).
     """
     device = torch.device("cpu") if device is None else torch.device(device)
+    theta, scaling = scaling_arguments(rope_scaling, theta, max_position_embeddings, seq_len)
     _checks.check_precompute_args(dim, end, theta, dtype)
+    op = torch.ops.rope_ext.precompute_freqs_cis.default if _native.LOADED else None
     if _native.supports(device):
-        table = torch.ops.rope_ext.precompute_freqs_cis.default(
-            dim, end, theta, dtype=dtype, device=device
-        )
+        table = op(dim, end, theta, dtype=dtype, device=device, **scaling)
         return torch.view_as_complex(table)
     _native.warn_fallback(device)
+    if op is not None:  # the native CPU kernel, then a copy to the device
+        return torch.view_as_complex(op(dim, end, theta, dtype=dtype, **scaling)).to(device)
+    if scaling.get("rope_type", "default") != "default":
+        raise RuntimeError(
+            f"precompute_freqs_cis: rope_type {scaling['rope_type']!r} needs the compiled "
+            f"extension, which did not load ({_native.LOAD_ERROR})")
     return reference.precompute_freqs_cis(dim, end, theta, device=device, dtype=dtype)
+
+
+def rope_frequencies(
+    dim: int,
+    theta: float = 10000.0,
+    *,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
+    """The float64 inverse frequencies [dim // 2] and attention factor behind the table."""
+    theta, scaling = scaling_arguments(rope_scaling, theta, max_position_embeddings, seq_len)
+    return torch.ops.rope_ext.rope_frequencies.default(dim, theta, **scaling)
 
 
 def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inplace):
@@ -126,6 +201,24 @@ def apply_rotary_qk(
     kwargs = dict(positions=positions, offset=offset, seq_dim=seq_dim,
                   interleaved=interleaved, inverse=inverse, inplace=inplace)
     return reference.apply_rotary(q, table, **kwargs), reference.apply_rotary(k, table, **kwargs)
+
+
+def positions_from_cu_seqlens(
+    cu_seqlens: torch.Tensor, total_tokens: int | None = None
+) -> torch.Tensor:
+    """Per-token positions [T, 1] of a packed batch, from flash-attn's cu_seqlens.
+
+    cu_seqlens: int32/int64 [num_seqs + 1], 0 first, cumulative sequence lengths. Pass
+    total_tokens (cu_seqlens[-1]) to avoid reading it back from the device. The result
+    broadcasts against packed q and k [T, heads, head_dim] (`seq_dim=0`).
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"positions_from_cu_seqlens: cu_seqlens must be 1-D with at least one "
+                         f"entry, got shape {list(cu_seqlens.shape)}")
+    total = int(cu_seqlens[-1]) if total_tokens is None else total_tokens
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    sequence = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
+    return (tokens - cu_seqlens[sequence]).unsqueeze(-1)
 
 
 def apply_rotary_emb(

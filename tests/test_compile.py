@@ -49,7 +49,10 @@ def test_opcheck_every_op(device):
         q, k = args[0].detach().clone(), args[1].detach().clone()
         torch.library.opcheck(OPS.apply_rotary_qk_.default, (q, k, args[2].detach()) + args[3:])
     torch.library.opcheck(OPS.precompute_freqs_cis.default, (32, 10), dict(device=device))
-    torch.library.opcheck(OPS.fill_freqs_cis_.default, (torch.empty(5, 8, 2, device=device), 16, 500.0))
+    inv_freq = torch.rand(8, dtype=torch.float64, device=device)
+    torch.library.opcheck(OPS.fill_freqs_cis_.default, (torch.empty(5, 8, 2, device=device), inv_freq, 1.5))
+    torch.library.opcheck(OPS.precompute_freqs_cis.default, (32, 10, 500.0), dict(
+        device=device, rope_type="yarn", factor=4.0, original_max_position_embeddings=4))
 
 
 class Attention(torch.nn.Module):

@@ -175,8 +175,20 @@ def test_device_mismatch_meta():
 
 
 def test_fill_freqs_cis_checks():
-    with pytest.raises(ValueError, match=re.escape(
-            "fill_freqs_cis_: out must have shape [end, dim // 2, 2] = [end, 4, 2], got [3, 5, 2]")):
-        torch.ops.rope_ext.fill_freqs_cis_(torch.empty(3, 5, 2), 8, 10000.0)
-    with pytest.raises(TypeError, match="fill_freqs_cis_: out must be float32 or float64, got Half"):
-        torch.ops.rope_ext.fill_freqs_cis_(torch.empty(3, 4, 2, dtype=torch.half), 8, 10000.0)
+    inv = torch.ones(4, dtype=torch.float64)
+    cases = [
+        ((torch.empty(3, 5, 2), inv), ValueError,
+         "fill_freqs_cis_: out must have shape [end, inv_freq.shape[0], 2] = [end, 4, 2], "
+         "got [3, 5, 2]"),
+        ((torch.empty(3, 4, 2, dtype=torch.half), inv), TypeError,
+         "fill_freqs_cis_: out must be float32 or float64, got Half"),
+        ((torch.empty(3, 4, 2), inv.float()), TypeError,
+         "fill_freqs_cis_: inv_freq must be float64, got Float"),
+        ((torch.empty(3, 4, 2), inv.view(2, 2)), ValueError,
+         "fill_freqs_cis_: inv_freq must be 1-D, got shape [2, 2]"),
+    ]
+    for (out, inv_freq), error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            torch.ops.rope_ext.fill_freqs_cis_(out, inv_freq, 1.0)
+        with FakeTensorMode() as mode, pytest.raises(error, match=re.escape(message)):
+            torch.ops.rope_ext.fill_freqs_cis_(mode.from_tensor(out), mode.from_tensor(inv_freq), 1.0)

@@ -15,3 +15,10 @@ def test_main_job_reports_build_self_check_and_benchmark():
                      "eager complex (LLaMA)"):
         assert f"| {provider} |" in out
     assert "GB/s" in out
+
+
+def test_kv_cache_example_runs():
+    run = subprocess.run([sys.executable, "examples/attention_kv_cache.py"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "max difference from one full pass" in run.stdout

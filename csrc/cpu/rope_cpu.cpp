@@ -88,22 +88,19 @@ void check_positions(const char* op, const at::Tensor& positions, int64_t offset
       ") (the rows of freqs_cis), got values in [", first, ", ", last, "]");
 }
 
-void fill_freqs_cis(const at::Tensor& out, int64_t dim, double theta) {
+void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude) {
   const int64_t end = out.size(0);
   const int64_t pairs = out.size(1);
+  const double* inv = inv_freq.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "rope_ext_fill_freqs_cis", [&] {
     auto* data = out.data_ptr<scalar_t>();
     const int64_t row_stride = out.stride(0), pair_stride = out.stride(1),
                   cs_stride = out.stride(2);
-    std::vector<double> inv_freq(pairs);
-    for (int64_t i = 0; i < pairs; ++i) {
-      inv_freq[i] = inverse_frequency(i, dim, theta);
-    }
     at::parallel_for(0, end, std::max<int64_t>(1, 4096 / pairs), [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         for (int64_t i = 0; i < pairs; ++i) {
           double c, s;
-          table_entry(t, inv_freq[i], c, s);
+          table_entry(t, inv[i], magnitude, c, s);
           scalar_t* entry = data + t * row_stride + i * pair_stride;
           entry[0] = static_cast<scalar_t>(c);
           entry[cs_stride] = static_cast<scalar_t>(s);

@@ -167,14 +167,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void fill_freqs_cis_kernel(float* f32, double* f64, int64_t end, int64_t pairs,
-                                      int64_t dim, double theta, int64_t row_stride,
-                                      int64_t pair_stride, int64_t cs_stride) {
+__global__ void fill_freqs_cis_kernel(float* f32, double* f64, const double* inv_freq,
+                                      double magnitude, int64_t end, int64_t pairs,
+                                      int64_t row_stride, int64_t pair_stride,
+                                      int64_t cs_stride) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < end * pairs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / pairs, pair = i % pairs;
     double c, s;
-    table_entry(t, inverse_frequency(pair, dim, theta), c, s);
+    table_entry(t, inv_freq[pair], magnitude, c, s);
     const int64_t at = t * row_stride + pair * pair_stride;
     if (f32 != nullptr) {
       f32[at] = static_cast<float>(c);
@@ -289,14 +290,15 @@ void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_
   });
 }
 
-void fill_freqs_cis(const at::Tensor& out, int64_t dim, double theta) {
+void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude) {
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t items = out.size(0) * out.size(1);
   const bool f32 = out.scalar_type() == at::kFloat;
   fill_freqs_cis_kernel<<<grid_for(items, out.device().index()), kThreads, 0,
                           c10::cuda::getCurrentCUDAStream(out.device().index())>>>(
       f32 ? out.data_ptr<float>() : nullptr, f32 ? nullptr : out.data_ptr<double>(),
-      out.size(0), out.size(1), dim, theta, out.stride(0), out.stride(1), out.stride(2));
+      inv_freq.data_ptr<double>(), magnitude, out.size(0), out.size(1), out.stride(0),
+      out.stride(1), out.stride(2));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
