@@ -35,17 +35,35 @@ ISA_FLAGS = {
 DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
 
 
+def find_cuda_home() -> str | None:
+    """The first CUDA toolkit that really has nvcc and the runtime headers.
+
+    torch derives CUDA_HOME from `which nvcc`, which is wrong where nvcc is a wrapper script
+    (e.g. /usr/local/bin/nvcc gives /usr/local); /usr/local/cuda is tried after it.
+    """
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+                 cpp_extension.CUDA_HOME, "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isfile(
+                os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    return None
+
+
 def want_cuda() -> bool:
     forced = os.environ.get("ROPE_EXT_CUDA")
     if forced is not None and forced not in ("0", "1"):
         raise SystemExit(f"ROPE_EXT_CUDA must be 0 or 1, got {forced!r}")
-    available = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    if forced == "1" and not available:
+    home = find_cuda_home() if torch.version.cuda is not None else None
+    if forced == "1" and home is None:
         raise SystemExit(
             "ROPE_EXT_CUDA=1 but CUDA cannot be built: "
-            f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}"
+            f"torch.version.cuda={torch.version.cuda}, no toolkit with bin/nvcc and "
+            "include/cuda_runtime.h found (set CUDA_HOME)"
         )
-    return available if forced is None else forced == "1"
+    if forced == "0" or home is None:
+        return False
+    os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = home
+    return True
 
 
 def sources(with_cuda: bool) -> list[str]:

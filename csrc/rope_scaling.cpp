@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "rope_math.h"
 
@@ -34,13 +35,20 @@ double yarn_mscale(double scale, double mscale) {
   return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
 }
 
-Frequencies yarn(const char* op, int64_t dim, double theta, const RopeScaling& s) {
-  const auto original = need(op, s.original_max_position_embeddings, s,
-                             "original_max_position_embeddings");
+// The pretraining length and the extension factor of yarn and longrope; without a factor,
+// the ratio of the model's length to the pretraining one.
+std::pair<double, double> extension(const char* op, const RopeScaling& s) {
+  const double original = static_cast<double>(
+      need(op, s.original_max_position_embeddings, s, "original_max_position_embeddings"));
   const double factor = s.factor.has_value()
       ? *s.factor
-      : static_cast<double>(need(op, s.max_position_embeddings, s, "factor or "
-                                 "max_position_embeddings")) / static_cast<double>(original);
+      : static_cast<double>(need(op, s.max_position_embeddings, s,
+                                 "factor or max_position_embeddings")) / original;
+  return {original, factor};
+}
+
+Frequencies yarn(const char* op, int64_t dim, double theta, const RopeScaling& s) {
+  const auto [original, factor] = extension(op, s);
   double attention = 0.0;
   if (s.attention_factor.has_value()) {
     attention = *s.attention_factor;
@@ -76,19 +84,14 @@ Frequencies yarn(const char* op, int64_t dim, double theta, const RopeScaling& s
 }
 
 Frequencies longrope(const char* op, int64_t dim, double theta, const RopeScaling& s) {
-  const auto original = need(op, s.original_max_position_embeddings, s,
-                             "original_max_position_embeddings");
-  const double factor = s.factor.has_value()
-      ? *s.factor
-      : static_cast<double>(need(op, s.max_position_embeddings, s, "factor or "
-                                 "max_position_embeddings")) / static_cast<double>(original);
+  const auto [original, factor] = extension(op, s);
   double attention = 1.0;
   if (s.attention_factor.has_value()) {
     attention = *s.attention_factor;
   } else if (factor > 1.0) {
-    attention = std::sqrt(1.0 + std::log(factor) / std::log(static_cast<double>(original)));
+    attention = std::sqrt(1.0 + std::log(factor) / std::log(original));
   }
-  const bool long_context = s.seq_len.has_value() && *s.seq_len > original;
+  const bool long_context = s.seq_len.has_value() && static_cast<double>(*s.seq_len) > original;
   const std::vector<double>& ext = long_context ? s.long_factor : s.short_factor;
   if (static_cast<int64_t>(ext.size()) != dim / 2) {
     std::ostringstream m;

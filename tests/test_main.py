@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_main_job_reports_build_self_check_and_benchmark():
@@ -18,7 +19,8 @@ def test_main_job_reports_build_self_check_and_benchmark():
 
 
 def test_kv_cache_example_runs():
-    run = subprocess.run([sys.executable, "examples/attention_kv_cache.py"], capture_output=True,
-                         text=True, timeout=300)
+    example = Path(__file__).parents[1] / "examples" / "attention_kv_cache.py"
+    run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "max difference from one full pass" in run.stdout
