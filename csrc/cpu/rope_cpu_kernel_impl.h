@@ -36,6 +36,42 @@ std::pair<Vectorized<opmath_t<scalar_t>>, Vectorized<opmath_t<scalar_t>>> load2(
   }
 }
 
+// The first `count` (< 2 * Vectorized<opmath>::size()) elements from p, zero-filled.
+template <typename scalar_t>
+std::pair<Vectorized<opmath_t<scalar_t>>, Vectorized<opmath_t<scalar_t>>> load2(
+    const scalar_t* p, int64_t count) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  if constexpr (std::is_same_v<scalar_t, opmath_t<scalar_t>>) {
+    constexpr int64_t kV = V::size();
+    return {V::loadu(p, std::min(count, kV)), count > kV ? V::loadu(p + kV, count - kV) : V(0)};
+  } else {
+    auto [a, b] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p, count));
+    return {a, b};
+  }
+}
+
+// Stores the first `count` (< 2 * Vectorized<opmath>::size()) elements of (a, b) to p.
+template <typename scalar_t>
+void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
+            const Vectorized<opmath_t<scalar_t>>& b, int64_t count) {
+  if constexpr (std::is_same_v<scalar_t, opmath_t<scalar_t>>) {
+    constexpr int64_t kV = Vectorized<scalar_t>::size();
+    a.store(p, std::min(count, kV));
+    if (count > kV) {
+      b.store(p + kV, count - kV);
+    }
+  } else {
+    at::vec::convert_from_float<scalar_t>(a, b).store(p, count);
+  }
+}
+
+// The first `count` (< 2 * V::size()) values of an opmath array, as two vectors.
+template <typename V, typename T>
+std::pair<V, V> load_values(const T* p, int64_t count) {
+  constexpr int64_t kV = V::size();
+  return {V::loadu(p, std::min(count, kV)), count > kV ? V::loadu(p + kV, count - kV) : V(0)};
+}
+
 // Stores two opmath vectors to p as 2 * Vectorized<opmath>::size() elements, rounding once.
 template <typename scalar_t>
 void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
@@ -176,14 +212,26 @@ void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opma
       store2(out + pairs + i, y1a, y1b);
     }
   }
-  for (; i < pairs; ++i) {
-    const int64_t f0 = pair_first(i, kInterleaved);
-    const int64_t f1 = pair_second(i, pairs, kInterleaved);
-    opmath y0, y1;
-    rotate_pair(static_cast<opmath>(x[f0]), static_cast<opmath>(x[f1]), cosv[i], sinv[i], y0,
-                y1);
-    out[f0] = static_cast<scalar_t>(y0);
-    out[f1] = static_cast<scalar_t>(y1);
+  // The pairs left over (fewer than one step) take one more step on partial vectors.
+  if (const int64_t rest = pairs - i; rest > 0) {
+    if constexpr (kInterleaved) {
+      auto [lo, hi] = load2(x + 2 * i, 2 * rest);
+      auto [x0, x1] = at::vec::deinterleave2(lo, hi);
+      V y0, y1;
+      rotate_pair(x0, x1, V::loadu(cosv + i, rest), V::loadu(sinv + i, rest), y0, y1);
+      auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
+      store2(out + 2 * i, out_lo, out_hi, 2 * rest);
+    } else {
+      auto [x0a, x0b] = load2(x + i, rest);
+      auto [x1a, x1b] = load2(x + pairs + i, rest);
+      auto [ca, cb] = load_values<V>(cosv + i, rest);
+      auto [sa, sb] = load_values<V>(sinv + i, rest);
+      V y0a, y1a, y0b, y1b;
+      rotate_pair(x0a, x1a, ca, sa, y0a, y1a);
+      rotate_pair(x0b, x1b, cb, sb, y0b, y1b);
+      store2(out + i, y0a, y0b, rest);
+      store2(out + pairs + i, y1a, y1b, rest);
+    }
   }
   if (out != x && head_dim > 2 * pairs) {
     std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
