@@ -135,7 +135,7 @@ def check_qk_pair(op: str, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> No
     for d in (0, sd):
         torch._check_value(
             q.shape[d] == k.shape[d],
-            lambda: f"{op}: q and k must agree on dim {d} (batch and seq_dim; only head counts "
+            lambda d=d: f"{op}: q and k must agree on dim {d} (batch and seq_dim; only head counts "
             f"may differ), got {q.shape[d]} and {k.shape[d]}",
         )
 
@@ -151,7 +151,7 @@ def check_inplace_target(op: str, name: str, x: torch.Tensor) -> None:
     for d in range(x.dim()):
         torch._check_value(
             x.stride(d) != 0 or x.shape[d] <= 1,
-            lambda: f"{op}: {name} has overlapping memory (dim {d} of size {x.shape[d]} has "
+            lambda d=d: f"{op}: {name} has overlapping memory (dim {d} of size {x.shape[d]} has "
             "stride 0, e.g. from expand); an in-place call needs distinct elements, use the "
             "out-of-place op",
         )
