@@ -41,6 +41,8 @@ int64_t check_apply_args(
   TORCH_CHECK_VALUE(
       x.dim() >= 2, op, ": ", name,
       " must have at least 2 dims (a sequence dim and head_dim), got ", x.dim());
+  TORCH_CHECK_VALUE(x.dim() <= kMaxDims + 1, op, ": ", name, " must have at most ",
+                    kMaxDims + 1, " dims, got ", x.dim());
   check_table(op, table);
   TORCH_CHECK_VALUE(
       table.device() == x.device(), op, ": freqs_cis is on ", table.device(), " but ", name,
@@ -178,7 +180,7 @@ void add_operand(
   o.ndim = 0;
   // Walk the leading dims from the innermost out, dropping size-1 dims and merging a dim
   // into the one inside it when x, out and positions all step through them as one.
-  int64_t sizes[64], xs[64], os[64], ps[64];
+  int64_t sizes[kMaxDims], xs[kMaxDims], os[kMaxDims], ps[kMaxDims];
   int64_t n = 0;
   for (int64_t d = lead - 1; d >= 0; --d) {
     const int64_t size = x.size(d);
@@ -198,9 +200,7 @@ void add_operand(
       sizes[n - 1] *= size;
       continue;
     }
-    TORCH_CHECK_VALUE(
-        n < kMaxDims, op, ": x has more than ", kMaxDims,
-        " leading dims that cannot be merged; reshape it first");
+    TORCH_INTERNAL_ASSERT(n < kMaxDims, op, ": more leading dims than checked");
     sizes[n] = size;
     xs[n] = x.stride(d);
     os[n] = out.stride(d);

@@ -77,13 +77,18 @@ Frequencies frequencies(const char* op, int64_t dim, double theta, const RopeSca
       low_freq_factor, high_freq_factor, beta_fast, beta_slow, mscale, mscale_all_dim,        \
       attention_factor, truncate, long_factor, short_factor, partial_rotary_factor
 
+// The inverse frequencies as a float64 CPU tensor.
+at::Tensor inv_freq_tensor(const Frequencies& f) {
+  at::Tensor inv = at::empty({static_cast<int64_t>(f.inv_freq.size())}, at::kDouble);
+  std::copy(f.inv_freq.begin(), f.inv_freq.end(), inv.data_ptr<double>());
+  return inv;
+}
+
 std::tuple<at::Tensor, double> rope_frequencies_op(int64_t dim, double theta,
                                                    ROPE_EXT_SCALING_PARAMS) {
   const Frequencies f = frequencies("rope_frequencies", dim, theta,
                                     scaling_of(ROPE_EXT_SCALING_VALUES));
-  at::Tensor inv = at::empty({static_cast<int64_t>(f.inv_freq.size())}, at::kDouble);
-  std::copy(f.inv_freq.begin(), f.inv_freq.end(), inv.data_ptr<double>());
-  return {inv, f.attention_factor};
+  return {inv_freq_tensor(f), f.attention_factor};
 }
 
 at::Tensor precompute_freqs_cis(int64_t dim, int64_t end, double theta,
@@ -97,13 +102,11 @@ at::Tensor precompute_freqs_cis(int64_t dim, int64_t end, double theta,
   TORCH_CHECK_VALUE(end >= 0, op, ": end must be >= 0, got ", end);
   const Frequencies f = frequencies(op, dim, theta, scaling_of(ROPE_EXT_SCALING_VALUES));
   const auto options = at::TensorOptions().device(device.value_or(at::kCPU));
-  at::Tensor inv = at::empty({static_cast<int64_t>(f.inv_freq.size())}, at::kDouble);
-  std::copy(f.inv_freq.begin(), f.inv_freq.end(), inv.data_ptr<double>());
   at::Tensor out = at::empty({end, dim / 2, 2}, options.dtype(t));
   static const auto fill = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("rope_ext::fill_freqs_cis_", "")
                                .typed<void(const at::Tensor&, const at::Tensor&, double)>();
-  fill.call(out, inv.to(options.device()), f.attention_factor);
+  fill.call(out, inv_freq_tensor(f).to(options.device()), f.attention_factor);
   return out;
 }
 

@@ -12,6 +12,7 @@ import torch
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TABLE_DTYPES = (torch.float32, torch.float64)
 POSITION_DTYPES = (torch.int32, torch.int64)
+MAX_DIMS = 9  # kMaxDims leading dims (csrc/rope_math.h) and the feature dim
 
 # c10's names, which the C++ messages print.
 _C10_NAMES = {
@@ -72,6 +73,10 @@ def check_apply_args(
         x.dim() >= 2,
         lambda: f"{op}: {name} must have at least 2 dims (a sequence dim and head_dim), "
         f"got {x.dim()}",
+    )
+    torch._check_value(
+        x.dim() <= MAX_DIMS,
+        lambda: f"{op}: {name} must have at most {MAX_DIMS} dims, got {x.dim()}",
     )
     _check_table(op, table)
     torch._check_value(

@@ -23,6 +23,8 @@ APPLY_CASES = [
      "apply_rotary: x must be a float16, bfloat16, float32 or float64 tensor, got Long"),
     ("0-dim x", "apply_rotary", (torch.tensor(1.0), T), {}, ValueError,
      "apply_rotary: x must have at least 2 dims (a sequence dim and head_dim), got 0"),
+    ("too many dims", "apply_rotary", (x_(*[1] * 9, 16), T), {}, ValueError,
+     "apply_rotary: x must have at most 9 dims, got 10"),
     ("table rank", "apply_rotary", (x_(1, 4, 16), T[0]), {}, ValueError,
      "apply_rotary: freqs_cis must have shape [P, R/2, 2] holding (cos, sin), got [8, 2]"),
     ("table last dim", "apply_rotary", (x_(1, 4, 16), torch.zeros(8, 8, 3)), {}, ValueError,
