@@ -13,6 +13,17 @@ def _real_table(freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
 
 
+def _functional(op, tensors, *args):
+    """op(*args). An eager call that no gradient can flow through skips the Python autograd
+    layer torch.library.register_autograd installs (~7 us a call, most of a decode step's
+    budget); traced and differentiable calls go through it."""
+    if torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
 def native_available() -> bool:
     """True when the compiled kernels are loaded (see `python -m rope_ext` for which)."""
     return bool(_native.NATIVE_DEVICES)
@@ -161,7 +172,7 @@ def apply_rotary(
         if inplace:
             torch.ops.rope_ext.apply_rotary_.default(x, *args)
             return x
-        return torch.ops.rope_ext.apply_rotary.default(x, *args)
+        return _functional(torch.ops.rope_ext.apply_rotary.default, (x, table), x, *args)
     op = "apply_rotary_" if inplace else "apply_rotary"
     _fallback_checks(op, (x,), ("x",), table, positions, offset, seq_dim, inplace)
     _native.warn_fallback(x.device)
@@ -194,7 +205,8 @@ def apply_rotary_qk(
         if inplace:
             torch.ops.rope_ext.apply_rotary_qk_.default(q, k, *args)
             return q, k
-        return torch.ops.rope_ext.apply_rotary_qk.default(q, k, *args)
+        return _functional(torch.ops.rope_ext.apply_rotary_qk.default, (q, k, table), q, k,
+                           *args)
     op = "apply_rotary_qk_" if inplace else "apply_rotary_qk"
     _fallback_checks(op, (q, k), ("q", "k"), table, positions, offset, seq_dim, inplace)
     _native.warn_fallback(q.device)

@@ -87,3 +87,15 @@ def test_inplace_bumps_version_so_stale_saves_are_caught(device):
     assert y._version == v + 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_no_grad_calls_skip_the_autograd_layer_and_agree(device):
+    table = rope_ext.precompute_freqs_cis(16, 8, device=device)
+    x = torch.randn(2, 8, 3, 16, device=device, requires_grad=True)
+    tracked = rope_ext.apply_rotary(x, table)
+    assert tracked.grad_fn is not None
+    with torch.no_grad():
+        untracked = rope_ext.apply_rotary(x, table)
+    plain = rope_ext.apply_rotary(x.detach(), table)
+    assert untracked.grad_fn is None and plain.grad_fn is None
+    assert torch.equal(untracked, tracked.detach()) and torch.equal(plain, tracked.detach())
