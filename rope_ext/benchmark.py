@@ -125,6 +125,8 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
         "clone (bound, out-of-place)": lambda: (q.clone(), k.clone()),
         "rope_ext in-place": lambda: api.apply_rotary_qk(q, k, table, inplace=True, **where),
         "rope_ext": lambda: api.apply_rotary_qk(q, k, table, **where),
+        "rope_ext q, k as two calls": lambda: (api.apply_rotary(q, table, **where),
+                                               api.apply_rotary(k, table, **where)),
         "rope_ext half-split": lambda: api.apply_rotary_qk(q, k, table, interleaved=False,
                                                            **where),
     }
