@@ -129,9 +129,11 @@ def rope_frequencies(
 
 
 def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inplace):
-    sd = _checks.check_apply_args(op, names[0], tensors[0], table, positions, offset, seq_dim)
+    """The checks the native op would make, in its order, for the eager path."""
     if len(tensors) == 2:
         _checks.check_qk_args(op, *tensors, table, positions, offset, seq_dim)
+    else:
+        _checks.check_apply_args(op, names[0], tensors[0], table, positions, offset, seq_dim)
     if inplace:
         for t, name in zip(tensors, names):
             _checks.check_inplace_target(op, name, t)
@@ -139,7 +141,6 @@ def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inpl
             _checks.check_qk_disjoint(op, *tensors)
     if positions is not None:
         _checks.check_positions_in_range(op, positions, offset, table.shape[0])
-    return sd
 
 
 def apply_rotary(

@@ -36,14 +36,19 @@ std::pair<Vectorized<opmath_t<scalar_t>>, Vectorized<opmath_t<scalar_t>>> load2(
   }
 }
 
+// The first `count` (< 2 * V::size()) values of an opmath array, as two vectors.
+template <typename V, typename T>
+std::pair<V, V> load_values(const T* p, int64_t count) {
+  constexpr int64_t kV = V::size();
+  return {V::loadu(p, std::min(count, kV)), count > kV ? V::loadu(p + kV, count - kV) : V(0)};
+}
+
 // The first `count` (< 2 * Vectorized<opmath>::size()) elements from p, zero-filled.
 template <typename scalar_t>
 std::pair<Vectorized<opmath_t<scalar_t>>, Vectorized<opmath_t<scalar_t>>> load2(
     const scalar_t* p, int64_t count) {
-  using V = Vectorized<opmath_t<scalar_t>>;
   if constexpr (std::is_same_v<scalar_t, opmath_t<scalar_t>>) {
-    constexpr int64_t kV = V::size();
-    return {V::loadu(p, std::min(count, kV)), count > kV ? V::loadu(p + kV, count - kV) : V(0)};
+    return load_values<Vectorized<scalar_t>>(p, count);
   } else {
     auto [a, b] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p, count));
     return {a, b};
@@ -63,13 +68,6 @@ void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
   } else {
     at::vec::convert_from_float<scalar_t>(a, b).store(p, count);
   }
-}
-
-// The first `count` (< 2 * V::size()) values of an opmath array, as two vectors.
-template <typename V, typename T>
-std::pair<V, V> load_values(const T* p, int64_t count) {
-  constexpr int64_t kV = V::size();
-  return {V::loadu(p, std::min(count, kV)), count > kV ? V::loadu(p + kV, count - kV) : V(0)};
 }
 
 // Stores two opmath vectors to p as 2 * Vectorized<opmath>::size() elements, rounding once.
