@@ -64,15 +64,6 @@ ROPE_HD void rotate_pair(const T& x0, const T& x1, const T& c, const T& s, T& y0
   y1 = r1;
 }
 
-// Feature indices of pair i: (2i, 2i+1) interleaved (LLaMA, GPT-J), (i, i + R/2) otherwise
-// (GPT-NeoX, Hugging Face rotate_half).
-ROPE_HD int64_t pair_first(int64_t i, bool interleaved) {
-  return interleaved ? 2 * i : i;
-}
-ROPE_HD int64_t pair_second(int64_t i, int64_t rot_pairs, bool interleaved) {
-  return interleaved ? 2 * i + 1 : i + rot_pairs;
-}
-
 // Element offsets of one row of an operand, from its multi-index.
 struct RowOffsets {
   int64_t x;

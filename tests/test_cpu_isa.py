@@ -11,17 +11,31 @@ import torch, rope_ext
 from rope_ext import reference
 print(rope_ext.build_info()["cpu_kernel"])
 torch.manual_seed(0)
-table = rope_ext.precompute_freqs_cis(80, 64)
-real = torch.view_as_real(table).double()
 tol = {torch.float32: 2e-6, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-for dtype in tol:
-    for interleaved in (True, False):
-        for x in (torch.randn(2, 64, 3, 80), torch.randn(2, 64, 80, 3).transpose(-1, -2)):
-            x = x.to(dtype)
-            x[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e38])
-            out = rope_ext.apply_rotary(x, table, interleaved=interleaved)
-            want = reference.apply_rotary(x.double(), real, interleaved=interleaved)
-            torch.testing.assert_close(out.double(), want, atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
+# Rotary dims that are 1..8 whole vector steps on every instruction set (the span path),
+# ones that are not (80, and 24 with pass-through), and partial rotary on a 128 head.
+for rot, head_dim in ((80, 80), (64, 64), (128, 128), (256, 256), (24, 40), (64, 128)):
+    table = rope_ext.precompute_freqs_cis(rot, 80)
+    real = torch.view_as_real(table).double()
+    shapes = (
+        torch.randn(2, 64, 3, head_dim),                     # heads share a position
+        torch.randn(2, 64, head_dim, 3).transpose(-1, -2),   # strided features
+        torch.randn(5, 1, 4, head_dim),                      # decode: one position for all
+        torch.randn(3, 8, 2 * head_dim)[..., ::2],           # rows 2 * head_dim apart
+    )
+    for dtype in tol:
+        for interleaved in (True, False):
+            for inverse in (False, True):
+                for x in shapes:
+                    x = x.to(dtype)
+                    x[(0,) * (x.dim() - 1)][:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e38])
+                    kw = dict(interleaved=interleaved, inverse=inverse, offset=7)
+                    want = reference.apply_rotary(x.double(), real, **kw)
+                    out = rope_ext.apply_rotary(x, table, **kw)
+                    torch.testing.assert_close(out.double(), want, atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
+                    y = x.clone()
+                    rope_ext.apply_rotary(y, table, inplace=True, **kw)
+                    torch.testing.assert_close(y, out, atol=0, rtol=0, equal_nan=True)
 print("ok")
 """
 

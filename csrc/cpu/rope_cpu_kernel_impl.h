@@ -84,6 +84,13 @@ void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
 
 // bfloat16 is the high half of a float, so a 32-bit lane holding two bfloat16 values splits
 // into two float vectors with a shift and a mask, and joins back the same way: no permutes.
+// Only where Vectorized maps to SIMD registers; the DEFAULT build's element loops are far
+// faster on the plain convert-and-compute path.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kBf16LaneTricks = true;
+#else
+constexpr bool kBf16LaneTricks = false;
+#endif
 using VecI = Vectorized<int32_t>;
 using VecF = Vectorized<float>;
 
@@ -137,78 +144,124 @@ struct Rotation {
 
   template <typename table_t>
   void load(const table_t* entry, const RotaryParams& p, bool blocked) {
+    using V = Vectorized<opmath>;
+    constexpr int64_t kV = V::size();
     const opmath sign = p.inverse ? opmath(-1) : opmath(1);
-    for (int64_t i = 0; i < p.rot_pairs; ++i) {
+    int64_t i = 0;
+    if constexpr (std::is_same_v<table_t, opmath>) {
+      // The real view of a contiguous complex row: (cos, sin) side by side.
+      if (p.table_pair_stride == 2 && p.table_cs_stride == 1) {
+        for (; i + kV <= p.rot_pairs; i += kV) {
+          auto [c, s] = at::vec::deinterleave2(V::loadu(entry + 2 * i),
+                                               V::loadu(entry + 2 * i + kV));
+          c.store(cos + i);
+          (s * V(sign)).store(sin + i);
+        }
+      }
+    }
+    for (; i < p.rot_pairs; ++i) {
       cos[i] = static_cast<opmath>(entry[i * p.table_pair_stride]);
       sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
     }
     if (blocked) {
-      constexpr int64_t kV = VecF::size();
+      // Block b of 2kV pairs: its even pairs, then its odd pairs.
       for (int64_t b = 0; b + 2 * kV <= p.rot_pairs; b += 2 * kV) {
-        for (int64_t j = 0; j < kV; ++j) {
-          block_cos[b + j] = cos[b + 2 * j];
-          block_cos[b + kV + j] = cos[b + 2 * j + 1];
-          block_sin[b + j] = sin[b + 2 * j];
-          block_sin[b + kV + j] = sin[b + 2 * j + 1];
-        }
+        auto [c_even, c_odd] = at::vec::deinterleave2(V::loadu(cos + b), V::loadu(cos + b + kV));
+        auto [s_even, s_odd] = at::vec::deinterleave2(V::loadu(sin + b), V::loadu(sin + b + kV));
+        c_even.store(block_cos + b);
+        c_odd.store(block_cos + b + kV);
+        s_even.store(block_sin + b);
+        s_odd.store(block_sin + b + kV);
       }
     }
   }
 };
 
-// Rotates one row whose features are contiguous in x and out. cosv / sinv hold the row's
-// rotation for each pair (sin already negated for inverse calls).
+// Pairs one full-vector step of a contiguous row covers: kV interleaved pairs (2kV
+// elements), or 2kV pairs from each half of a half-split row.
+template <typename scalar_t, bool kInterleaved>
+constexpr int64_t kStepPairs = (kInterleaved ? 1 : 2) * Vectorized<opmath_t<scalar_t>>::size();
+
+// bfloat16 half-split rows read cos / sin in the blocked order split_bf16_lanes produces.
+template <typename scalar_t, bool kInterleaved>
+constexpr bool kBlocked = kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> &&
+                          !kInterleaved;
+
+// The cos / sin vectors of one step starting at pair i (sin already negated for inverse
+// calls): one each for interleaved rows, two each for half-split rows.
+template <typename scalar_t, bool kInterleaved>
+struct StepRotation {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  V c0, s0, c1, s1;
+
+  StepRotation() = default;
+  StepRotation(const Rotation<opmath_t<scalar_t>>& r, int64_t i) {
+    constexpr int64_t kV = V::size();
+    const auto* cos = kBlocked<scalar_t, kInterleaved> ? r.block_cos : r.cos;
+    const auto* sin = kBlocked<scalar_t, kInterleaved> ? r.block_sin : r.sin;
+    c0 = V::loadu(cos + i);
+    s0 = V::loadu(sin + i);
+    if constexpr (!kInterleaved) {
+      c1 = V::loadu(cos + i + kV);
+      s1 = V::loadu(sin + i + kV);
+    }
+  }
+};
+
+// One full-vector step of a contiguous row: the kStepPairs pairs from pair i on.
+template <typename scalar_t, bool kInterleaved>
+inline void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
+                        const StepRotation<scalar_t, kInterleaved>& r) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  constexpr int64_t kV = V::size();
+  if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
+    // One lane holds one pair (x0 low, x1 high).
+    auto [x0, x1] = split_bf16_lanes(VecI::loadu(x + 2 * i));
+    V y0, y1;
+    rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
+    join_bf16_lanes(y0, y1).store(out + 2 * i);
+  } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
+    // Lane j of each half holds pairs i + 2j (low) and i + 2j + 1 (high).
+    auto [a_even, a_odd] = split_bf16_lanes(VecI::loadu(x + i));
+    auto [b_even, b_odd] = split_bf16_lanes(VecI::loadu(x + pairs + i));
+    V y0_even, y1_even, y0_odd, y1_odd;
+    rotate_pair(a_even, b_even, r.c0, r.s0, y0_even, y1_even);
+    rotate_pair(a_odd, b_odd, r.c1, r.s1, y0_odd, y1_odd);
+    join_bf16_lanes(y0_even, y0_odd).store(out + i);
+    join_bf16_lanes(y1_even, y1_odd).store(out + pairs + i);
+  } else if constexpr (kInterleaved) {
+    // x[2i .. 2i + 2kV) holds kV pairs (x0, x1) side by side.
+    auto [lo, hi] = load2(x + 2 * i);
+    auto [x0, x1] = at::vec::deinterleave2(lo, hi);
+    V y0, y1;
+    rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
+    auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
+    store2(out + 2 * i, out_lo, out_hi);
+  } else {
+    // Pair i is (x[i], x[i + pairs]): 2kV pairs per step from each half.
+    auto [x0a, x0b] = load2(x + i);
+    auto [x1a, x1b] = load2(x + pairs + i);
+    V y0a, y1a, y0b, y1b;
+    rotate_pair(x0a, x1a, r.c0, r.s0, y0a, y1a);
+    rotate_pair(x0b, x1b, r.c1, r.s1, y0b, y1b);
+    store2(out + i, y0a, y0b);
+    store2(out + pairs + i, y1a, y1b);
+  }
+}
+
+// Rotates one row whose features are contiguous in x and out by the rotation r.
 template <typename scalar_t, bool kInterleaved>
 void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opmath_t<scalar_t>>& r,
                            int64_t pairs, int64_t head_dim) {
   using opmath = opmath_t<scalar_t>;
   using V = Vectorized<opmath>;
-  constexpr int64_t kV = V::size();
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
   const opmath* cosv = r.cos;
   const opmath* sinv = r.sin;
   int64_t i = 0;
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
-    // One lane holds one pair (x0 low, x1 high).
-    for (; i + kV <= pairs; i += kV) {
-      auto [x0, x1] = split_bf16_lanes(VecI::loadu(x + 2 * i));
-      V y0, y1;
-      rotate_pair(x0, x1, V::loadu(cosv + i), V::loadu(sinv + i), y0, y1);
-      join_bf16_lanes(y0, y1).store(out + 2 * i);
-    }
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    // Lane j of each half holds pairs i + 2j (low) and i + 2j + 1 (high).
-    for (; i + 2 * kV <= pairs; i += 2 * kV) {
-      auto [a_even, a_odd] = split_bf16_lanes(VecI::loadu(x + i));
-      auto [b_even, b_odd] = split_bf16_lanes(VecI::loadu(x + pairs + i));
-      V y0_even, y1_even, y0_odd, y1_odd;
-      rotate_pair(a_even, b_even, V::loadu(r.block_cos + i), V::loadu(r.block_sin + i), y0_even,
-                  y1_even);
-      rotate_pair(a_odd, b_odd, V::loadu(r.block_cos + i + kV), V::loadu(r.block_sin + i + kV),
-                  y0_odd, y1_odd);
-      join_bf16_lanes(y0_even, y0_odd).store(out + i);
-      join_bf16_lanes(y1_even, y1_odd).store(out + pairs + i);
-    }
-  } else if constexpr (kInterleaved) {
-    // x[2i .. 2i + 2kV) holds kV pairs (x0, x1) side by side.
-    for (; i + kV <= pairs; i += kV) {
-      auto [lo, hi] = load2(x + 2 * i);
-      auto [x0, x1] = at::vec::deinterleave2(lo, hi);
-      V y0, y1;
-      rotate_pair(x0, x1, V::loadu(cosv + i), V::loadu(sinv + i), y0, y1);
-      auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
-      store2(out + 2 * i, out_lo, out_hi);
-    }
-  } else {
-    // Pair i is (x[i], x[i + pairs]): 2kV pairs per step from each half.
-    for (; i + 2 * kV <= pairs; i += 2 * kV) {
-      auto [x0a, x0b] = load2(x + i);
-      auto [x1a, x1b] = load2(x + pairs + i);
-      V y0a, y1a, y0b, y1b;
-      rotate_pair(x0a, x1a, V::loadu(cosv + i), V::loadu(sinv + i), y0a, y1a);
-      rotate_pair(x0b, x1b, V::loadu(cosv + i + kV), V::loadu(sinv + i + kV), y0b, y1b);
-      store2(out + i, y0a, y0b);
-      store2(out + pairs + i, y1a, y1b);
-    }
+  for (; i + kStep <= pairs; i += kStep) {
+    rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
+                                        StepRotation<scalar_t, kInterleaved>(r, i));
   }
   // The pairs left over (fewer than one step) take one more step on partial vectors.
   if (const int64_t rest = pairs - i; rest > 0) {
@@ -236,30 +289,74 @@ void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opma
   }
 }
 
-// Rotates one row whose features are strided (e.g. a transposed view).
-template <typename scalar_t, bool kInterleaved>
-void rotate_strided_row(const scalar_t* x, scalar_t* out, int64_t xs, int64_t os,
-                        const opmath_t<scalar_t>* cosv, const opmath_t<scalar_t>* sinv,
-                        int64_t pairs, int64_t head_dim) {
-  using opmath = opmath_t<scalar_t>;
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t f0 = pair_first(i, kInterleaved);
-    const int64_t f1 = pair_second(i, pairs, kInterleaved);
-    opmath y0, y1;
-    rotate_pair(static_cast<opmath>(x[f0 * xs]), static_cast<opmath>(x[f1 * xs]), cosv[i],
-                sinv[i], y0, y1);
-    out[f0 * os] = static_cast<scalar_t>(y0);
-    out[f1 * os] = static_cast<scalar_t>(y1);
+// Rotates `rows` contiguous rows (x and out `xs` / `os` elements apart) that share the
+// rotation r and whose rotary part is exactly kSteps full steps: the step rotations stay in
+// registers across the rows, which is what decode (one position for every head of every
+// sequence) and the heads of a prefill token run through.
+template <typename scalar_t, bool kInterleaved, int kSteps>
+void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
+                            int64_t os, const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
+                            int64_t head_dim) {
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  StepRotation<scalar_t, kInterleaved> steps[kSteps];
+  for (int k = 0; k < kSteps; ++k) {
+    steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
   }
-  if (out != x) {
-    for (int64_t f = 2 * pairs; f < head_dim; ++f) {
-      out[f * os] = x[f * xs];
+  const bool pass_through = x != out && head_dim > 2 * pairs;
+  for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
+    for (int k = 0; k < kSteps; ++k) {
+      rotate_step<scalar_t, kInterleaved>(x, out, k * kStep, pairs, steps[k]);
+    }
+    if (pass_through) {
+      std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
     }
   }
 }
 
-// Walks the rows [begin, end) of one operand in order, keeping the multi-index and the three
-// offsets up to date with additions only.
+template <typename scalar_t, bool kInterleaved>
+using SpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
+                        const Rotation<opmath_t<scalar_t>>&, int64_t, int64_t);
+
+// The span function for a rotary dim of `pairs` pairs, or nullptr when it is not a whole
+// number (1..8) of steps.
+template <typename scalar_t, bool kInterleaved>
+SpanFn<scalar_t, kInterleaved> span_function(int64_t pairs) {
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  if (pairs % kStep != 0) {
+    return nullptr;
+  }
+  switch (pairs / kStep) {
+    case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1>;
+    case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2>;
+    case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3>;
+    case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4>;
+    case 5: return rotate_contiguous_span<scalar_t, kInterleaved, 5>;
+    case 6: return rotate_contiguous_span<scalar_t, kInterleaved, 6>;
+    case 8: return rotate_contiguous_span<scalar_t, kInterleaved, 8>;
+    default: return nullptr;
+  }
+}
+
+// Rotates one row whose features are strided (e.g. a transposed view): gathered into
+// `buffer` (head_dim elements), rotated there by the contiguous-row code, scattered back,
+// so that every layout gets bit-identical results.
+template <typename scalar_t, bool kInterleaved>
+void rotate_strided_row(const scalar_t* x, scalar_t* out, int64_t xs, int64_t os,
+                        const Rotation<opmath_t<scalar_t>>& r, int64_t pairs, int64_t head_dim,
+                        scalar_t* buffer) {
+  // In place, the pass-through features stay where they are.
+  const int64_t width = out == x ? 2 * pairs : head_dim;
+  for (int64_t f = 0; f < width; ++f) {
+    buffer[f] = x[f * xs];
+  }
+  rotate_contiguous_row<scalar_t, kInterleaved>(buffer, buffer, r, pairs, 2 * pairs);
+  for (int64_t f = 0; f < width; ++f) {
+    out[f * os] = buffer[f];
+  }
+}
+
+// Walks the rows [begin, end) of one operand in spans along its innermost leading dim,
+// keeping the multi-index and the three offsets up to date with additions only.
 class RowCursor {
  public:
   RowCursor(const RotaryOperand& op, int64_t row) : op_(op) {
@@ -274,18 +371,32 @@ class RowCursor {
   int64_t x() const { return x_; }
   int64_t out() const { return out_; }
   int64_t pos() const { return pos_; }
-  void next() {
-    for (int64_t d = op_.ndim - 1; d >= 0; --d) {
-      x_ += op_.x_strides[d];
-      out_ += op_.out_strides[d];
-      pos_ += op_.pos_strides[d];
-      if (++idx_[d] < op_.sizes[d]) {
-        return;
-      }
+  // Rows left before the innermost dim wraps (1 for an operand with no leading dims).
+  int64_t span() const {
+    return op_.ndim == 0 ? 1 : op_.sizes[op_.ndim - 1] - idx_[op_.ndim - 1];
+  }
+  // Moves n <= span() rows on.
+  void advance(int64_t n) {
+    int64_t d = op_.ndim - 1;
+    if (d < 0) {
+      return;
+    }
+    x_ += n * op_.x_strides[d];
+    out_ += n * op_.out_strides[d];
+    pos_ += n * op_.pos_strides[d];
+    idx_[d] += n;
+    while (idx_[d] == op_.sizes[d]) {
       x_ -= op_.sizes[d] * op_.x_strides[d];
       out_ -= op_.sizes[d] * op_.out_strides[d];
       pos_ -= op_.sizes[d] * op_.pos_strides[d];
       idx_[d] = 0;
+      if (--d < 0) {
+        return;
+      }
+      x_ += op_.x_strides[d];
+      out_ += op_.out_strides[d];
+      pos_ += op_.pos_strides[d];
+      ++idx_[d];
     }
   }
 
@@ -299,12 +410,20 @@ template <typename scalar_t, typename table_t, bool kInterleaved>
 void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
   using opmath = opmath_t<scalar_t>;
   const int64_t pairs = p.rot_pairs;
-  // The rotation of the last position seen: consecutive rows (the heads of one token) share
-  // it, so the table row is read and converted once per token, not once per head.
+  // The rotation of the last position seen: rows sharing a position (the heads of one token)
+  // read and convert the table row once, not once per head.
   Rotation<opmath> rotation(pairs);
-  constexpr bool kBlocked = std::is_same_v<scalar_t, c10::BFloat16> && !kInterleaved;
+  const auto span_fn = span_function<scalar_t, kInterleaved>(pairs);
+  std::vector<scalar_t> buffer;  // one strided row, gathered
   int64_t cached_position = -1;
   const auto* table = static_cast<const table_t*>(p.table);
+  auto use_position = [&](int64_t position) {
+    if (position != cached_position) {
+      rotation.load(table + position * p.table_row_stride, p,
+                    kBlocked<scalar_t, kInterleaved>);
+      cached_position = position;
+    }
+  };
 
   int64_t first_row = 0;  // global index of the operand's first row
   for (int o = 0; o < p.num_operands; ++o) {
@@ -318,22 +437,40 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
     const auto* x = static_cast<const scalar_t*>(op.x);
     auto* out = static_cast<scalar_t*>(op.out);
     const bool contiguous = op.x_feature_stride == 1 && op.out_feature_stride == 1;
+    if (!contiguous && static_cast<int64_t>(buffer.size()) < op.head_dim) {
+      buffer.resize(op.head_dim);
+    }
+    const int64_t inner = op.ndim - 1;
+    const int64_t xs = inner >= 0 ? op.x_strides[inner] : 0;
+    const int64_t os = inner >= 0 ? op.out_strides[inner] : 0;
+    const int64_t ps = inner >= 0 ? op.pos_strides[inner] : 0;
+    // Rows along the innermost dim share a position when its positions stride is 0.
+    const bool shared = ps == 0;
     RowCursor cursor(op, lo - (first_row - op.rows));
-    for (int64_t row = lo; row < hi; ++row, cursor.next()) {
-      const int64_t position = row_position(p, cursor.pos());
-      if (position != cached_position) {
-        rotation.load(table + position * p.table_row_stride, p, kBlocked);
-        cached_position = position;
-      }
-      if (contiguous) {
-        rotate_contiguous_row<scalar_t, kInterleaved>(x + cursor.x(), out + cursor.out(),
-                                                      rotation, pairs, op.head_dim);
+    for (int64_t row = lo; row < hi;) {
+      const int64_t span = std::min(hi - row, cursor.span());
+      const scalar_t* xr = x + cursor.x();
+      scalar_t* outr = out + cursor.out();
+      if (contiguous && shared && span_fn != nullptr) {
+        use_position(row_position(p, cursor.pos()));
+        span_fn(xr, outr, span, xs, os, rotation, pairs, op.head_dim);
       } else {
-        rotate_strided_row<scalar_t, kInterleaved>(x + cursor.x(), out + cursor.out(),
-                                                   op.x_feature_stride, op.out_feature_stride,
-                                                   rotation.cos, rotation.sin, pairs,
-                                                   op.head_dim);
+        for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
+          if (j == 0 || !shared) {
+            use_position(row_position(p, cursor.pos() + j * ps));
+          }
+          if (contiguous) {
+            rotate_contiguous_row<scalar_t, kInterleaved>(xr, outr, rotation, pairs,
+                                                          op.head_dim);
+          } else {
+            rotate_strided_row<scalar_t, kInterleaved>(xr, outr, op.x_feature_stride,
+                                                       op.out_feature_stride, rotation, pairs,
+                                                       op.head_dim, buffer.data());
+          }
+        }
       }
+      cursor.advance(span);
+      row += span;
     }
   }
 }
