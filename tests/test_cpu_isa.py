@@ -36,6 +36,25 @@ for rot, head_dim in ((80, 80), (64, 64), (128, 128), (256, 256), (24, 40), (64,
                     y = x.clone()
                     rope_ext.apply_rotary(y, table, inplace=True, **kw)
                     torch.testing.assert_close(y, out, atol=0, rtol=0, equal_nan=True)
+# Rounding: with sin = 0 every finite output is one float32 product x * cos rounded once to
+# x's dtype, so it must be bit-identical to torch's own conversion (ties, overflow, NaN, inf).
+for dtype in (torch.bfloat16, torch.float16):
+    for interleaved in (True, False):
+        # Half the cosines with 5 significant bits, so that many products are exact ties.
+        cos = torch.empty(4, 64).uniform_(0.5, 2.0)
+        cos[:, ::2] = 1 + torch.randint(0, 16, (4, 32)) / 16
+        table = torch.stack([cos, torch.zeros_like(cos)], -1)
+        x = (torch.randn(3, 4, 5, 128) * 100).to(dtype)
+        big = torch.finfo(dtype).max
+        x[0, 0, 0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), big, -big, 1.0])
+        xf = x.float()
+        x0, x1 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, -1)
+        c, s = cos[None, :, None, :], torch.zeros(())
+        y0, y1 = x0 * c - x1 * s, x0 * s + x1 * c  # x1 * s: NaN for an infinite partner
+        y = torch.stack([y0, y1], -1).flatten(-2) if interleaved else torch.cat([y0, y1], -1)
+        want = y.to(dtype)
+        out = rope_ext.apply_rotary(x, table, interleaved=interleaved)
+        torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
 print("ok")
 """
 

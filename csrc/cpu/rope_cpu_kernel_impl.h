@@ -118,7 +118,45 @@ inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
                                          16, 0);
   return _mm512_permutexvar_epi16(pairs, packed);
 }
+#elif defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// Any NaN among the values: one compare and a branch, instead of a NaN blend per lane.
+inline bool any_nan(const VecF& low, const VecF& high) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cmp_ps_mask(low, high, _CMP_UNORD_Q) != 0;
 #else
+  return _mm256_movemask_ps(_mm256_cmp_ps(low, high, _CMP_UNORD_Q)) != 0;
+#endif
+}
+
+// f's bits plus the round-to-nearest-even increment: the high 16 bits are the bfloat16
+// (for non-NaN f; the low 16 bits are left for the join to drop).
+inline VecI add_bf16_rounding(const VecF& f) {
+  const VecI bits = at::vec::cast<int32_t>(f);
+#if defined(CPU_CAPABILITY_AVX512)
+  const VecI lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), VecI(1));
+#else
+  const VecI lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), VecI(1));
+#endif
+  return bits + VecI(0x7fff) + lsb;
+}
+
+inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
+  if (any_nan(low, high)) {
+    return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
+  }
+  // Each 16-bit half of a lane taken from its own rounded value: a logical shift and a
+  // blend, no masking.
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_mask_blend_epi16(0x55555555u, add_bf16_rounding(high),
+                                 _mm512_srli_epi32(add_bf16_rounding(low), 16));
+#else
+  return _mm256_blend_epi16(add_bf16_rounding(high),
+                            _mm256_srli_epi32(add_bf16_rounding(low), 16), 0x55);
+#endif
+}
+#else
+// The DEFAULT build does not use the lane tricks (kBf16LaneTricks); declared for the
+// discarded branches that name it.
 inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
   return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
 }
