@@ -53,13 +53,22 @@ struct RotaryParams {
   bool inverse;      // rotate by the negative angle
 };
 
+// a * b + c and a * b - c, each rounded once. Named as at::vec names its own, so that for
+// the CPU kernel's at::vec::Vectorized arguments, argument-dependent lookup picks those.
+ROPE_HD float fmadd(float a, float b, float c) { return fmaf(a, b, c); }
+ROPE_HD double fmadd(double a, double b, double c) { return fma(a, b, c); }
+ROPE_HD float fmsub(float a, float b, float c) { return fmaf(a, b, -c); }
+ROPE_HD double fmsub(double a, double b, double c) { return fma(a, b, -c); }
+
 // Rotates the pair (x0, x1) by the angle whose cosine and sine are c and s; y0 / y1 may be
-// x0 / x1 themselves. Templated so that the CPU vector path (at::vec::Vectorized) and every
-// scalar path run the same expression.
+// x0 / x1 themselves. Templated so that the CPU vector path (at::vec::Vectorized) and the
+// CUDA kernels run the same expression, with its roundings spelt out: one product rounded,
+// then one fused multiply-add. Left to the compiler, the contraction into FMAs differs
+// between inlining sites, and so would the last bit between layouts.
 template <typename T>
 ROPE_HD void rotate_pair(const T& x0, const T& x1, const T& c, const T& s, T& y0, T& y1) {
-  const T r0 = x0 * c - x1 * s;
-  const T r1 = x0 * s + x1 * c;
+  const T r0 = fmsub(x0, c, x1 * s);
+  const T r1 = fmadd(x0, s, x1 * c);
   y0 = r0;
   y1 = r1;
 }

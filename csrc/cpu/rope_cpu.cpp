@@ -5,6 +5,7 @@
 #include <ATen/ops/aminmax.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -73,8 +74,33 @@ const KernelChoice& kernel_choice() {
   return choice;
 }
 
-void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
+// Makes a dim whose rows share a position (the heads) the innermost leading dim, when the
+// innermost one steps through positions (Hugging Face's [B, H, S, D]): the kernel then
+// walks the heads of a token as one span with the table row loaded once, instead of
+// reloading it for every row. The rows are independent, so their order is free.
+void put_shared_dim_innermost(RotaryOperand& op) {
+  const int64_t last = op.ndim - 1;
+  if (last < 1 || op.pos_strides[last] == 0) {
+    return;
+  }
+  for (int64_t d = last - 1; d >= 0; --d) {
+    if (op.pos_strides[d] == 0) {
+      auto move = [&](int64_t* a) { std::rotate(a + d, a + d + 1, a + last + 1); };
+      move(op.sizes);
+      move(op.x_strides);
+      move(op.out_strides);
+      move(op.pos_strides);
+      return;
+    }
+  }
+}
+
+void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType table_dtype,
             c10::Device) {
+  RotaryParams p = params;
+  for (int o = 0; o < p.num_operands; ++o) {
+    put_shared_dim_innermost(p.operands[o]);
+  }
   kernel_choice().kernel(p, x_dtype, table_dtype);
 }
 

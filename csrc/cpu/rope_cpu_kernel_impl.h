@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -287,40 +288,61 @@ inline void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pai
   }
 }
 
+// The rotation of the last `rest` (< kStepPairs) pairs from pair i on, in natural order,
+// zero-filled: what the partial step after the full ones uses.
+template <typename scalar_t, bool kInterleaved>
+struct TailRotation {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  V c0, s0, c1, s1;
+
+  TailRotation() = default;
+  TailRotation(const Rotation<opmath_t<scalar_t>>& r, int64_t i, int64_t rest) {
+    if constexpr (kInterleaved) {
+      c0 = V::loadu(r.cos + i, rest);
+      s0 = V::loadu(r.sin + i, rest);
+    } else {
+      std::tie(c0, c1) = load_values<V>(r.cos + i, rest);
+      std::tie(s0, s1) = load_values<V>(r.sin + i, rest);
+    }
+  }
+};
+
+// The partial step on the last `rest` pairs of a contiguous row, from pair i on.
+template <typename scalar_t, bool kInterleaved>
+inline void rotate_tail(const scalar_t* x, scalar_t* out, int64_t i, int64_t rest,
+                        int64_t pairs, const TailRotation<scalar_t, kInterleaved>& r) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  if constexpr (kInterleaved) {
+    auto [lo, hi] = load2(x + 2 * i, 2 * rest);
+    auto [x0, x1] = at::vec::deinterleave2(lo, hi);
+    V y0, y1;
+    rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
+    auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
+    store2(out + 2 * i, out_lo, out_hi, 2 * rest);
+  } else {
+    auto [x0a, x0b] = load2(x + i, rest);
+    auto [x1a, x1b] = load2(x + pairs + i, rest);
+    V y0a, y1a, y0b, y1b;
+    rotate_pair(x0a, x1a, r.c0, r.s0, y0a, y1a);
+    rotate_pair(x0b, x1b, r.c1, r.s1, y0b, y1b);
+    store2(out + i, y0a, y0b, rest);
+    store2(out + pairs + i, y1a, y1b, rest);
+  }
+}
+
 // Rotates one row whose features are contiguous in x and out by the rotation r.
 template <typename scalar_t, bool kInterleaved>
 void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opmath_t<scalar_t>>& r,
                            int64_t pairs, int64_t head_dim) {
-  using opmath = opmath_t<scalar_t>;
-  using V = Vectorized<opmath>;
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
-  const opmath* cosv = r.cos;
-  const opmath* sinv = r.sin;
   int64_t i = 0;
   for (; i + kStep <= pairs; i += kStep) {
     rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
                                         StepRotation<scalar_t, kInterleaved>(r, i));
   }
-  // The pairs left over (fewer than one step) take one more step on partial vectors.
   if (const int64_t rest = pairs - i; rest > 0) {
-    if constexpr (kInterleaved) {
-      auto [lo, hi] = load2(x + 2 * i, 2 * rest);
-      auto [x0, x1] = at::vec::deinterleave2(lo, hi);
-      V y0, y1;
-      rotate_pair(x0, x1, V::loadu(cosv + i, rest), V::loadu(sinv + i, rest), y0, y1);
-      auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
-      store2(out + 2 * i, out_lo, out_hi, 2 * rest);
-    } else {
-      auto [x0a, x0b] = load2(x + i, rest);
-      auto [x1a, x1b] = load2(x + pairs + i, rest);
-      auto [ca, cb] = load_values<V>(cosv + i, rest);
-      auto [sa, sb] = load_values<V>(sinv + i, rest);
-      V y0a, y1a, y0b, y1b;
-      rotate_pair(x0a, x1a, ca, sa, y0a, y1a);
-      rotate_pair(x0b, x1b, cb, sb, y0b, y1b);
-      store2(out + i, y0a, y0b, rest);
-      store2(out + pairs + i, y1a, y1b, rest);
-    }
+    rotate_tail<scalar_t, kInterleaved>(x, out, i, rest, pairs,
+                                        TailRotation<scalar_t, kInterleaved>(r, i, rest));
   }
   if (out != x && head_dim > 2 * pairs) {
     std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
@@ -328,22 +350,30 @@ void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opma
 }
 
 // Rotates `rows` contiguous rows (x and out `xs` / `os` elements apart) that share the
-// rotation r and whose rotary part is exactly kSteps full steps: the step rotations stay in
-// registers across the rows, which is what decode (one position for every head of every
-// sequence) and the heads of a prefill token run through.
-template <typename scalar_t, bool kInterleaved, int kSteps>
+// rotation r and whose rotary part is kSteps full steps, plus a partial one when kTail: the
+// rotation stays in registers across the rows, which is what decode (one position for every
+// head of every sequence) and the heads of a prefill token run through.
+template <typename scalar_t, bool kInterleaved, int kSteps, bool kTail>
 void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                             int64_t os, const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
                             int64_t head_dim) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
-  StepRotation<scalar_t, kInterleaved> steps[kSteps];
+  StepRotation<scalar_t, kInterleaved> steps[kSteps > 0 ? kSteps : 1];
   for (int k = 0; k < kSteps; ++k) {
     steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
+  }
+  const int64_t rest = pairs - kSteps * kStep;
+  TailRotation<scalar_t, kInterleaved> tail;
+  if constexpr (kTail) {
+    tail = TailRotation<scalar_t, kInterleaved>(r, kSteps * kStep, rest);
   }
   const bool pass_through = x != out && head_dim > 2 * pairs;
   for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
     for (int k = 0; k < kSteps; ++k) {
       rotate_step<scalar_t, kInterleaved>(x, out, k * kStep, pairs, steps[k]);
+    }
+    if constexpr (kTail) {
+      rotate_tail<scalar_t, kInterleaved>(x, out, kSteps * kStep, rest, pairs, tail);
     }
     if (pass_through) {
       std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
@@ -355,22 +385,29 @@ template <typename scalar_t, bool kInterleaved>
 using SpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
                         const Rotation<opmath_t<scalar_t>>&, int64_t, int64_t);
 
-// The span function for a rotary dim of `pairs` pairs, or nullptr when it is not a whole
-// number (1..8) of steps.
+// The span function for a rotary dim of `pairs` pairs: 1..8 full steps, or 0..4 full
+// steps and a partial one (head dims such as 80 or 96); nullptr for the rest.
 template <typename scalar_t, bool kInterleaved>
 SpanFn<scalar_t, kInterleaved> span_function(int64_t pairs) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
   if (pairs % kStep != 0) {
-    return nullptr;
+    switch (pairs / kStep) {
+      case 0: return rotate_contiguous_span<scalar_t, kInterleaved, 0, true>;
+      case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, true>;
+      case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, true>;
+      case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, true>;
+      case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, true>;
+      default: return nullptr;
+    }
   }
   switch (pairs / kStep) {
-    case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1>;
-    case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2>;
-    case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3>;
-    case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4>;
-    case 5: return rotate_contiguous_span<scalar_t, kInterleaved, 5>;
-    case 6: return rotate_contiguous_span<scalar_t, kInterleaved, 6>;
-    case 8: return rotate_contiguous_span<scalar_t, kInterleaved, 8>;
+    case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, false>;
+    case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, false>;
+    case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, false>;
+    case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, false>;
+    case 5: return rotate_contiguous_span<scalar_t, kInterleaved, 5, false>;
+    case 6: return rotate_contiguous_span<scalar_t, kInterleaved, 6, false>;
+    case 8: return rotate_contiguous_span<scalar_t, kInterleaved, 8, false>;
     default: return nullptr;
   }
 }
