@@ -163,26 +163,20 @@ inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
 }
 #endif
 
-// The rotation of one position: cos and sin per pair (sin negated for inverse calls), and
-// for bfloat16 half-split rows the same values reordered per 2V-pair block as [even pairs,
-// odd pairs], the order split_bf16_lanes produces.
+// The rotation of one position: cos and sin per pair (sin negated for inverse calls).
 template <typename opmath>
 struct Rotation {
   std::vector<opmath> storage;
   opmath* cos;
   opmath* sin;
-  opmath* block_cos;
-  opmath* block_sin;
 
-  explicit Rotation(int64_t pairs) : storage(4 * pairs) {
+  explicit Rotation(int64_t pairs) : storage(2 * pairs) {
     cos = storage.data();
     sin = cos + pairs;
-    block_cos = sin + pairs;
-    block_sin = block_cos + pairs;
   }
 
   template <typename table_t>
-  void load(const table_t* entry, const RotaryParams& p, bool blocked) {
+  void load(const table_t* entry, const RotaryParams& p) {
     using V = Vectorized<opmath>;
     constexpr int64_t kV = V::size();
     const opmath sign = p.inverse ? opmath(-1) : opmath(1);
@@ -202,17 +196,6 @@ struct Rotation {
       cos[i] = static_cast<opmath>(entry[i * p.table_pair_stride]);
       sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
     }
-    if (blocked) {
-      // Block b of 2kV pairs: its even pairs, then its odd pairs.
-      for (int64_t b = 0; b + 2 * kV <= p.rot_pairs; b += 2 * kV) {
-        auto [c_even, c_odd] = at::vec::deinterleave2(V::loadu(cos + b), V::loadu(cos + b + kV));
-        auto [s_even, s_odd] = at::vec::deinterleave2(V::loadu(sin + b), V::loadu(sin + b + kV));
-        c_even.store(block_cos + b);
-        c_odd.store(block_cos + b + kV);
-        s_even.store(block_sin + b);
-        s_odd.store(block_sin + b + kV);
-      }
-    }
   }
 };
 
@@ -221,7 +204,8 @@ struct Rotation {
 template <typename scalar_t, bool kInterleaved>
 constexpr int64_t kStepPairs = (kInterleaved ? 1 : 2) * Vectorized<opmath_t<scalar_t>>::size();
 
-// bfloat16 half-split rows read cos / sin in the blocked order split_bf16_lanes produces.
+// bfloat16 half-split rows with the lane tricks see each block of 2kV pairs as [even pairs,
+// odd pairs], the order split_bf16_lanes produces.
 template <typename scalar_t, bool kInterleaved>
 constexpr bool kBlocked = kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> &&
                           !kInterleaved;
@@ -236,56 +220,89 @@ struct StepRotation {
   StepRotation() = default;
   StepRotation(const Rotation<opmath_t<scalar_t>>& r, int64_t i) {
     constexpr int64_t kV = V::size();
-    const auto* cos = kBlocked<scalar_t, kInterleaved> ? r.block_cos : r.cos;
-    const auto* sin = kBlocked<scalar_t, kInterleaved> ? r.block_sin : r.sin;
-    c0 = V::loadu(cos + i);
-    s0 = V::loadu(sin + i);
+    c0 = V::loadu(r.cos + i);
+    s0 = V::loadu(r.sin + i);
     if constexpr (!kInterleaved) {
-      c1 = V::loadu(cos + i + kV);
-      s1 = V::loadu(sin + i + kV);
+      c1 = V::loadu(r.cos + i + kV);
+      s1 = V::loadu(r.sin + i + kV);
+    }
+    if constexpr (kBlocked<scalar_t, kInterleaved>) {
+      std::tie(c0, c1) = at::vec::deinterleave2(c0, c1);
+      std::tie(s0, s1) = at::vec::deinterleave2(s0, s1);
     }
   }
 };
 
-// One full-vector step of a contiguous row: the kStepPairs pairs from pair i on.
+// The inputs of one full-vector step, loaded: rows are read before anything of them is
+// written, so the overlapping last step (rotate_contiguous_span) still sees x.
 template <typename scalar_t, bool kInterleaved>
-inline void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
-                        const StepRotation<scalar_t, kInterleaved>& r) {
+struct StepInput {
   using V = Vectorized<opmath_t<scalar_t>>;
-  constexpr int64_t kV = V::size();
+  VecI lanes0, lanes1;  // bfloat16 lane tricks
+  V a, b, c, d;         // every other path, in opmath
+};
+
+template <typename scalar_t, bool kInterleaved>
+inline StepInput<scalar_t, kInterleaved> load_step(const scalar_t* x, int64_t i,
+                                                    int64_t pairs) {
+  StepInput<scalar_t, kInterleaved> in;
   if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
     // One lane holds one pair (x0 low, x1 high).
-    auto [x0, x1] = split_bf16_lanes(VecI::loadu(x + 2 * i));
+    in.lanes0 = VecI::loadu(x + 2 * i);
+  } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
+    // Lane j of each half holds pairs i + 2j (low) and i + 2j + 1 (high).
+    in.lanes0 = VecI::loadu(x + i);
+    in.lanes1 = VecI::loadu(x + pairs + i);
+  } else if constexpr (kInterleaved) {
+    // x[2i .. 2i + 2kV) holds kV pairs (x0, x1) side by side.
+    std::tie(in.a, in.b) = load2(x + 2 * i);
+  } else {
+    // Pair i is (x[i], x[i + pairs]): 2kV pairs per step from each half.
+    std::tie(in.a, in.b) = load2(x + i);
+    std::tie(in.c, in.d) = load2(x + pairs + i);
+  }
+  return in;
+}
+
+// Rotates the loaded step by r and stores it at pair i of out.
+template <typename scalar_t, bool kInterleaved>
+inline void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* out, int64_t i,
+                        int64_t pairs, const StepRotation<scalar_t, kInterleaved>& r) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
+    auto [x0, x1] = split_bf16_lanes(in.lanes0);
     V y0, y1;
     rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
     join_bf16_lanes(y0, y1).store(out + 2 * i);
   } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
-    // Lane j of each half holds pairs i + 2j (low) and i + 2j + 1 (high).
-    auto [a_even, a_odd] = split_bf16_lanes(VecI::loadu(x + i));
-    auto [b_even, b_odd] = split_bf16_lanes(VecI::loadu(x + pairs + i));
+    auto [a_even, a_odd] = split_bf16_lanes(in.lanes0);
+    auto [b_even, b_odd] = split_bf16_lanes(in.lanes1);
     V y0_even, y1_even, y0_odd, y1_odd;
     rotate_pair(a_even, b_even, r.c0, r.s0, y0_even, y1_even);
     rotate_pair(a_odd, b_odd, r.c1, r.s1, y0_odd, y1_odd);
     join_bf16_lanes(y0_even, y0_odd).store(out + i);
     join_bf16_lanes(y1_even, y1_odd).store(out + pairs + i);
   } else if constexpr (kInterleaved) {
-    // x[2i .. 2i + 2kV) holds kV pairs (x0, x1) side by side.
-    auto [lo, hi] = load2(x + 2 * i);
-    auto [x0, x1] = at::vec::deinterleave2(lo, hi);
+    auto [x0, x1] = at::vec::deinterleave2(in.a, in.b);
     V y0, y1;
     rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
     auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
     store2(out + 2 * i, out_lo, out_hi);
   } else {
-    // Pair i is (x[i], x[i + pairs]): 2kV pairs per step from each half.
-    auto [x0a, x0b] = load2(x + i);
-    auto [x1a, x1b] = load2(x + pairs + i);
     V y0a, y1a, y0b, y1b;
-    rotate_pair(x0a, x1a, r.c0, r.s0, y0a, y1a);
-    rotate_pair(x0b, x1b, r.c1, r.s1, y0b, y1b);
+    rotate_pair(in.a, in.c, r.c0, r.s0, y0a, y1a);
+    rotate_pair(in.b, in.d, r.c1, r.s1, y0b, y1b);
     store2(out + i, y0a, y0b);
     store2(out + pairs + i, y1a, y1b);
   }
+}
+
+// One full-vector step of a contiguous row: the kStepPairs pairs from pair i on.
+template <typename scalar_t, bool kInterleaved>
+inline void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
+                        const StepRotation<scalar_t, kInterleaved>& r) {
+  finish_step<scalar_t, kInterleaved>(load_step<scalar_t, kInterleaved>(x, i, pairs), out, i,
+                                      pairs, r);
 }
 
 // The rotation of the last `rest` (< kStepPairs) pairs from pair i on, in natural order,
@@ -335,25 +352,44 @@ template <typename scalar_t, bool kInterleaved>
 void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opmath_t<scalar_t>>& r,
                            int64_t pairs, int64_t head_dim) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
-  int64_t i = 0;
-  for (; i + kStep <= pairs; i += kStep) {
-    rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
-                                        StepRotation<scalar_t, kInterleaved>(r, i));
-  }
-  if (const int64_t rest = pairs - i; rest > 0) {
-    rotate_tail<scalar_t, kInterleaved>(x, out, i, rest, pairs,
-                                        TailRotation<scalar_t, kInterleaved>(r, i, rest));
+  const int64_t rest = pairs % kStep;
+  if (rest > 0 && pairs > kStep) {
+    // The pairs left over take one more full step, overlapping the one before it: its
+    // inputs are loaded before anything is stored, and the overlap is written twice with
+    // the same values. Masked loads after overlapping stores would stall on forwarding.
+    const int64_t last = pairs - kStep;
+    const auto last_in = load_step<scalar_t, kInterleaved>(x, last, pairs);
+    for (int64_t i = 0; i < last; i += kStep) {
+      rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
+                                          StepRotation<scalar_t, kInterleaved>(r, i));
+    }
+    finish_step<scalar_t, kInterleaved>(last_in, out, last, pairs,
+                                        StepRotation<scalar_t, kInterleaved>(r, last));
+  } else {
+    int64_t i = 0;
+    for (; i + kStep <= pairs; i += kStep) {
+      rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
+                                          StepRotation<scalar_t, kInterleaved>(r, i));
+    }
+    if (rest > 0) {  // fewer pairs than one step: a partial step on masked vectors
+      rotate_tail<scalar_t, kInterleaved>(x, out, i, rest, pairs,
+                                          TailRotation<scalar_t, kInterleaved>(r, i, rest));
+    }
   }
   if (out != x && head_dim > 2 * pairs) {
     std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
   }
 }
 
+// How a span's rows end after their full steps: exactly, with a partial step on masked
+// vectors (fewer pairs than one step), or with one more full step overlapping the last.
+enum class Tail { kNone, kMasked, kOverlap };
+
 // Rotates `rows` contiguous rows (x and out `xs` / `os` elements apart) that share the
-// rotation r and whose rotary part is kSteps full steps, plus a partial one when kTail: the
-// rotation stays in registers across the rows, which is what decode (one position for every
-// head of every sequence) and the heads of a prefill token run through.
-template <typename scalar_t, bool kInterleaved, int kSteps, bool kTail>
+// rotation r, whose rotary part is kSteps full steps and the kTail ending: the rotation stays
+// in registers across the rows, which is what decode (one position for every head of every
+// sequence) and the heads of a prefill token run through.
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
 void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                             int64_t os, const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
                             int64_t head_dim) {
@@ -362,17 +398,27 @@ void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int6
   for (int k = 0; k < kSteps; ++k) {
     steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
   }
-  const int64_t rest = pairs - kSteps * kStep;
+  const int64_t last = pairs - kStep;  // the overlapping step
+  const int64_t rest = pairs - kSteps * kStep;  // the masked step
+  StepRotation<scalar_t, kInterleaved> last_rotation;
   TailRotation<scalar_t, kInterleaved> tail;
-  if constexpr (kTail) {
+  if constexpr (kTail == Tail::kOverlap) {
+    last_rotation = StepRotation<scalar_t, kInterleaved>(r, last);
+  } else if constexpr (kTail == Tail::kMasked) {
     tail = TailRotation<scalar_t, kInterleaved>(r, kSteps * kStep, rest);
   }
   const bool pass_through = x != out && head_dim > 2 * pairs;
   for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
+    StepInput<scalar_t, kInterleaved> last_in;
+    if constexpr (kTail == Tail::kOverlap) {
+      last_in = load_step<scalar_t, kInterleaved>(x, last, pairs);
+    }
     for (int k = 0; k < kSteps; ++k) {
       rotate_step<scalar_t, kInterleaved>(x, out, k * kStep, pairs, steps[k]);
     }
-    if constexpr (kTail) {
+    if constexpr (kTail == Tail::kOverlap) {
+      finish_step<scalar_t, kInterleaved>(last_in, out, last, pairs, last_rotation);
+    } else if constexpr (kTail == Tail::kMasked) {
       rotate_tail<scalar_t, kInterleaved>(x, out, kSteps * kStep, rest, pairs, tail);
     }
     if (pass_through) {
@@ -385,29 +431,32 @@ template <typename scalar_t, bool kInterleaved>
 using SpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
                         const Rotation<opmath_t<scalar_t>>&, int64_t, int64_t);
 
-// The span function for a rotary dim of `pairs` pairs: 1..8 full steps, or 0..4 full
-// steps and a partial one (head dims such as 80 or 96); nullptr for the rest.
+// The span function for a rotary dim of `pairs` pairs: 1..8 full steps, a partial step
+// alone, or 1..4 full steps and an overlapping one (head dims such as 80 or 96); nullptr
+// for the rest.
 template <typename scalar_t, bool kInterleaved>
 SpanFn<scalar_t, kInterleaved> span_function(int64_t pairs) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  constexpr Tail kOverlap = Tail::kOverlap;
+  constexpr Tail kNone = Tail::kNone;
   if (pairs % kStep != 0) {
     switch (pairs / kStep) {
-      case 0: return rotate_contiguous_span<scalar_t, kInterleaved, 0, true>;
-      case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, true>;
-      case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, true>;
-      case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, true>;
-      case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, true>;
+      case 0: return rotate_contiguous_span<scalar_t, kInterleaved, 0, Tail::kMasked>;
+      case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, kOverlap>;
+      case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, kOverlap>;
+      case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, kOverlap>;
+      case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, kOverlap>;
       default: return nullptr;
     }
   }
   switch (pairs / kStep) {
-    case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, false>;
-    case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, false>;
-    case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, false>;
-    case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, false>;
-    case 5: return rotate_contiguous_span<scalar_t, kInterleaved, 5, false>;
-    case 6: return rotate_contiguous_span<scalar_t, kInterleaved, 6, false>;
-    case 8: return rotate_contiguous_span<scalar_t, kInterleaved, 8, false>;
+    case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, kNone>;
+    case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, kNone>;
+    case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, kNone>;
+    case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, kNone>;
+    case 5: return rotate_contiguous_span<scalar_t, kInterleaved, 5, kNone>;
+    case 6: return rotate_contiguous_span<scalar_t, kInterleaved, 6, kNone>;
+    case 8: return rotate_contiguous_span<scalar_t, kInterleaved, 8, kNone>;
     default: return nullptr;
   }
 }
@@ -494,8 +543,7 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
   const auto* table = static_cast<const table_t*>(p.table);
   auto use_position = [&](int64_t position) {
     if (position != cached_position) {
-      rotation.load(table + position * p.table_row_stride, p,
-                    kBlocked<scalar_t, kInterleaved>);
+      rotation.load(table + position * p.table_row_stride, p);
       cached_position = position;
     }
   };
