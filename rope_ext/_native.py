@@ -39,6 +39,12 @@ def supports(device: torch.device) -> bool:
     return device.type in NATIVE_DEVICES
 
 
+def serves(t: torch.Tensor) -> bool:
+    """supports(t.device), without building the device object for CPU tensors (a decode
+    step's budget is a few microseconds)."""
+    return "cpu" in NATIVE_DEVICES if t.is_cpu else t.device.type in NATIVE_DEVICES
+
+
 def warn_fallback(device: torch.device) -> None:
     if device.type in _warned:
         return

@@ -13,12 +13,18 @@ def _real_table(freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
 
 
+def _any_requires_grad(tensors) -> bool:
+    for t in tensors:
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _functional(op, tensors, *args):
     """op(*args). An eager call that no gradient can flow through skips the Python autograd
     layer torch.library.register_autograd installs (~7 us a call, most of a decode step's
     budget); traced and differentiable calls go through it."""
-    if torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
         return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
@@ -168,7 +174,7 @@ def apply_rotary(
         inplace: write into x and return it.
     """
     table = _real_table(freqs_cis)
-    if _native.supports(x.device):
+    if _native.serves(x):
         args = (table, positions, offset, seq_dim, interleaved, inverse)
         if inplace:
             torch.ops.rope_ext.apply_rotary_.default(x, *args)
@@ -201,7 +207,7 @@ def apply_rotary_qk(
     both. With inplace=True they must not overlap each other.
     """
     table = _real_table(freqs_cis)
-    if _native.supports(q.device):
+    if _native.serves(q):
         args = (table, positions, offset, seq_dim, interleaved, inverse)
         if inplace:
             torch.ops.rope_ext.apply_rotary_qk_.default(q, k, *args)
