@@ -130,6 +130,10 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
         "rope_ext half-split": lambda: api.apply_rotary_qk(q, k, table, interleaved=False,
                                                            **where),
     }
+    if not case.varlen:  # Hugging Face's layout: positions along the innermost leading dim
+        qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        out["rope_ext half-split [B,H,S,D]"] = lambda: api.apply_rotary_qk(
+            qh, kh, table, seq_dim=2, interleaved=False, offset=case.decode_offset)
     full = case.rotary_dim in (None, case.head_dim)
     if full and not case.varlen:
         out["eager complex (LLaMA)"] = lambda: _llama_eager(q, k, table, case.decode_offset)
