@@ -18,18 +18,19 @@ for rot, head_dim in ((80, 80), (64, 64), (128, 128), (256, 256), (24, 40), (64,
     table = rope_ext.precompute_freqs_cis(rot, 80)
     real = torch.view_as_real(table).double()
     shapes = (
-        torch.randn(2, 64, 3, head_dim),                     # heads share a position
-        torch.randn(2, 64, head_dim, 3).transpose(-1, -2),   # strided features
-        torch.randn(5, 1, 4, head_dim),                      # decode: one position for all
-        torch.randn(3, 8, 2 * head_dim)[..., ::2],           # rows 2 * head_dim apart
+        (torch.randn(2, 64, 3, head_dim), 1),                     # heads share a position
+        (torch.randn(2, 64, head_dim, 3).transpose(-1, -2), 1),   # strided features
+        (torch.randn(5, 1, 4, head_dim), 1),                      # decode: one position
+        (torch.randn(3, 8, 2 * head_dim)[..., ::2], 1),           # rows 2 * head_dim apart
+        (torch.randn(2, 3, 64, head_dim), 2),                     # [B, H, S, D]
     )
     for dtype in tol:
         for interleaved in (True, False):
             for inverse in (False, True):
-                for x in shapes:
+                for x, seq_dim in shapes:
                     x = x.to(dtype)
                     x[(0,) * (x.dim() - 1)][:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e38])
-                    kw = dict(interleaved=interleaved, inverse=inverse, offset=7)
+                    kw = dict(interleaved=interleaved, inverse=inverse, offset=7, seq_dim=seq_dim)
                     want = reference.apply_rotary(x.double(), real, **kw)
                     out = rope_ext.apply_rotary(x, table, **kw)
                     torch.testing.assert_close(out.double(), want, atol=tol[dtype], rtol=tol[dtype], equal_nan=True)

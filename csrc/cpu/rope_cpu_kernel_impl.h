@@ -37,7 +37,7 @@ std::pair<Vectorized<opmath_t<scalar_t>>, Vectorized<opmath_t<scalar_t>>> load2(
   }
 }
 
-// The first `count` (< 2 * V::size()) values of an opmath array, as two vectors.
+// The first `count` (<= 2 * V::size()) values of an opmath array, as two vectors.
 template <typename V, typename T>
 std::pair<V, V> load_values(const T* p, int64_t count) {
   constexpr int64_t kV = V::size();
@@ -199,6 +199,15 @@ struct Rotation {
   }
 };
 
+// A table row read where it lies: (cos, sin) side by side in opmath, the real view of a
+// contiguous complex table. Rows whose positions all differ (Hugging Face's [B, H, S, D]
+// walked in memory order) rotate straight from it instead of copying it into a Rotation.
+template <typename opmath>
+struct TableRow {
+  const opmath* entry;
+  bool inverse;  // negate sin
+};
+
 // Pairs one full-vector step of a contiguous row covers: kV interleaved pairs (2kV
 // elements), or 2kV pairs from each half of a half-split row.
 template <typename scalar_t, bool kInterleaved>
@@ -225,6 +234,23 @@ struct StepRotation {
     if constexpr (!kInterleaved) {
       c1 = V::loadu(r.cos + i + kV);
       s1 = V::loadu(r.sin + i + kV);
+    }
+    if constexpr (kBlocked<scalar_t, kInterleaved>) {
+      std::tie(c0, c1) = at::vec::deinterleave2(c0, c1);
+      std::tie(s0, s1) = at::vec::deinterleave2(s0, s1);
+    }
+  }
+  StepRotation(const TableRow<opmath_t<scalar_t>>& t, int64_t i) {
+    constexpr int64_t kV = V::size();
+    std::tie(c0, s0) = at::vec::deinterleave2(V::loadu(t.entry + 2 * i),
+                                              V::loadu(t.entry + 2 * i + kV));
+    if constexpr (!kInterleaved) {
+      std::tie(c1, s1) = at::vec::deinterleave2(V::loadu(t.entry + 2 * i + 2 * kV),
+                                                V::loadu(t.entry + 2 * i + 3 * kV));
+    }
+    if (t.inverse) {
+      s0 = s0.neg();
+      s1 = s1.neg();
     }
     if constexpr (kBlocked<scalar_t, kInterleaved>) {
       std::tie(c0, c1) = at::vec::deinterleave2(c0, c1);
@@ -322,6 +348,24 @@ struct TailRotation {
       std::tie(s0, s1) = load_values<V>(r.sin + i, rest);
     }
   }
+  TailRotation(const TableRow<opmath_t<scalar_t>>& t, int64_t i, int64_t rest) {
+    constexpr int64_t kV = V::size();
+    // 2 * rest values, (cos, sin) side by side: up to 2kV for interleaved rows, 4kV else.
+    const int64_t count = 2 * rest;
+    auto [lo, hi] = load_values<V>(t.entry + 2 * i, std::min(count, 2 * kV));
+    std::tie(c0, s0) = at::vec::deinterleave2(lo, hi);
+    if (count > 2 * kV) {
+      auto [lo1, hi1] = load_values<V>(t.entry + 2 * i + 2 * kV, count - 2 * kV);
+      std::tie(c1, s1) = at::vec::deinterleave2(lo1, hi1);
+    } else {
+      c1 = V(0);
+      s1 = V(0);
+    }
+    if (t.inverse) {
+      s0 = s0.neg();
+      s1 = s1.neg();
+    }
+  }
 };
 
 // The partial step on the last `rest` pairs of a contiguous row, from pair i on.
@@ -347,10 +391,11 @@ inline void rotate_tail(const scalar_t* x, scalar_t* out, int64_t i, int64_t res
   }
 }
 
-// Rotates one row whose features are contiguous in x and out by the rotation r.
-template <typename scalar_t, bool kInterleaved>
-void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Rotation<opmath_t<scalar_t>>& r,
-                           int64_t pairs, int64_t head_dim) {
+// Rotates one row whose features are contiguous in x and out by the rotation r (a Rotation
+// or a TableRow).
+template <typename scalar_t, bool kInterleaved, typename Source>
+void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Source& r, int64_t pairs,
+                           int64_t head_dim) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
   const int64_t rest = pairs % kStep;
   if (rest > 0 && pairs > kStep) {
@@ -541,6 +586,14 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
   std::vector<scalar_t> buffer;  // one strided row, gathered
   int64_t cached_position = -1;
   const auto* table = static_cast<const table_t*>(p.table);
+  // Rows whose positions all differ read a contiguous opmath table in place.
+  const opmath* direct_table = nullptr;
+  if constexpr (std::is_same_v<table_t, opmath>) {
+    if (p.table_pair_stride == 2 && p.table_cs_stride == 1) {
+      direct_table = table;
+    }
+  }
+  const bool direct = direct_table != nullptr;
   auto use_position = [&](int64_t position) {
     if (position != cached_position) {
       rotation.load(table + position * p.table_row_stride, p);
@@ -579,6 +632,14 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
         span_fn(xr, outr, span, xs, os, rotation, pairs, op.head_dim);
       } else {
         for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
+          if (contiguous && !shared && direct) {
+            const int64_t position = row_position(p, cursor.pos() + j * ps);
+            rotate_contiguous_row<scalar_t, kInterleaved>(
+                xr, outr, TableRow<opmath>{direct_table + position * p.table_row_stride,
+                                           p.inverse},
+                pairs, op.head_dim);
+            continue;
+          }
           if (j == 0 || !shared) {
             use_position(row_position(p, cursor.pos() + j * ps));
           }
