@@ -250,7 +250,9 @@ struct StepRotation {
     }
     if (t.inverse) {
       s0 = s0.neg();
-      s1 = s1.neg();
+      if constexpr (!kInterleaved) {
+        s1 = s1.neg();
+      }
     }
     if constexpr (kBlocked<scalar_t, kInterleaved>) {
       std::tie(c0, c1) = at::vec::deinterleave2(c0, c1);
@@ -593,7 +595,6 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
       direct_table = table;
     }
   }
-  const bool direct = direct_table != nullptr;
   auto use_position = [&](int64_t position) {
     if (position != cached_position) {
       rotation.load(table + position * p.table_row_stride, p);
@@ -632,7 +633,7 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
         span_fn(xr, outr, span, xs, os, rotation, pairs, op.head_dim);
       } else {
         for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
-          if (contiguous && !shared && direct) {
+          if (contiguous && !shared && direct_table != nullptr) {
             const int64_t position = row_position(p, cursor.pos() + j * ps);
             rotate_contiguous_row<scalar_t, kInterleaved>(
                 xr, outr, TableRow<opmath>{direct_table + position * p.table_row_stride,
