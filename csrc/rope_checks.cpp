@@ -48,10 +48,11 @@ int64_t check_apply_args(
       table.device() == x.device(), op, ": freqs_cis is on ", table.device(), " but ", name,
       " is on ", x.device());
   const int64_t ndim = x.dim();
-  const int64_t sd = seq_dim < 0 ? seq_dim + ndim : seq_dim;
+  // Positions define every row's position; seq_dim then plays no part.
+  const int64_t sd = positions.has_value() ? -1 : seq_dim < 0 ? seq_dim + ndim : seq_dim;
   TORCH_CHECK_VALUE(
-      sd >= 0 && sd <= ndim - 2, op, ": seq_dim must name a dim of ", name,
-      " other than the last, in [", -ndim, ", -2] or [0, ", ndim - 2, "], got ", seq_dim);
+      positions.has_value() || (sd >= 0 && sd <= ndim - 2), op, ": seq_dim must name a dim of ",
+      name, " other than the last, in [", -ndim, ", -2] or [0, ", ndim - 2, "], got ", seq_dim);
   const int64_t rotary_dim = 2 * table.size(1);
   TORCH_CHECK_VALUE(
       rotary_dim <= x.size(-1), op, ": rotary dim 2 * freqs_cis.shape[1] = ", rotary_dim,
@@ -85,13 +86,15 @@ int64_t check_apply_args(
 
 void check_qk_pair(const char* op, const at::Tensor& q, const at::Tensor& k, int64_t seq_dim) {
   TORCH_CHECK_VALUE(
-      q.dim() == k.dim(), op, ": q and k must have the same number of dims, got ", q.dim(),
-      " and ", k.dim());
-  TORCH_CHECK_VALUE(
       q.size(-1) == k.size(-1), op, ": q and k must have the same head_dim, got ", q.size(-1),
       " and ", k.size(-1));
-  const int64_t sd = seq_dim < 0 ? seq_dim + q.dim() : seq_dim;
-  for (const int64_t d : {int64_t{0}, sd}) {
+  if (seq_dim < 0) {
+    return;  // positions given: each of q and k only has to broadcast with them
+  }
+  TORCH_CHECK_VALUE(
+      q.dim() == k.dim(), op, ": q and k must have the same number of dims, got ", q.dim(),
+      " and ", k.dim());
+  for (const int64_t d : {int64_t{0}, seq_dim}) {
     TORCH_CHECK_VALUE(
         q.size(d) == k.size(d), op, ": q and k must agree on dim ", d,
         " (batch and seq_dim; only head counts may differ), got ", q.size(d), " and ",

@@ -13,7 +13,7 @@
 namespace rope_ext {
 
 // Checks x against the table and the position arguments of one apply call and returns
-// seq_dim normalised to [0, x.dim() - 2].
+// seq_dim normalised to [0, x.dim() - 2], or -1 when positions are given (seq_dim unused).
 int64_t check_apply_args(
     const char* op,
     const char* name,
@@ -23,7 +23,8 @@ int64_t check_apply_args(
     int64_t offset,
     int64_t seq_dim);
 
-// q and k of a fused call must agree on head_dim and on every dim that is not a head count.
+// q and k of a fused call must agree on head_dim and, without positions (seq_dim >= 0, as
+// check_apply_args returns it), on their rank, batch and sequence dims.
 void check_qk_pair(const char* op, const at::Tensor& q, const at::Tensor& k, int64_t seq_dim);
 
 // An in-place call needs every element of x to be distinct memory.

@@ -63,7 +63,8 @@ def check_apply_args(
     offset,
     seq_dim: int,
 ) -> int:
-    """Returns seq_dim normalised to [0, x.dim() - 2]."""
+    """Returns seq_dim normalised to [0, x.dim() - 2], or -1 when positions are given
+    (they define every row's position; seq_dim then plays no part)."""
     torch._check_type(
         x.dtype in X_DTYPES,
         lambda: f"{op}: {name} must be a float16, bfloat16, float32 or float64 tensor, "
@@ -84,9 +85,9 @@ def check_apply_args(
         lambda: f"{op}: freqs_cis is on {table.device} but {name} is on {x.device}",
     )
     ndim = x.dim()
-    sd = seq_dim + ndim if seq_dim < 0 else seq_dim
+    sd = -1 if positions is not None else seq_dim + ndim if seq_dim < 0 else seq_dim
     torch._check_value(
-        0 <= sd <= ndim - 2,
+        positions is not None or 0 <= sd <= ndim - 2,
         lambda: f"{op}: seq_dim must name a dim of {name} other than the last, in "
         f"[{-ndim}, -2] or [0, {ndim - 2}], got {seq_dim}",
     )
@@ -127,17 +128,19 @@ def check_apply_args(
 
 
 def check_qk_pair(op: str, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> None:
-    torch._check_value(
-        q.dim() == k.dim(),
-        lambda: f"{op}: q and k must have the same number of dims, got {q.dim()} and {k.dim()}",
-    )
+    """seq_dim as check_apply_args returns it: -1 when positions are given."""
     torch._check_value(
         q.shape[-1] == k.shape[-1],
         lambda: f"{op}: q and k must have the same head_dim, got {q.shape[-1]} and "
         f"{k.shape[-1]}",
     )
-    sd = seq_dim + q.dim() if seq_dim < 0 else seq_dim
-    for d in (0, sd):
+    if seq_dim < 0:
+        return  # positions given: each of q and k only has to broadcast with them
+    torch._check_value(
+        q.dim() == k.dim(),
+        lambda: f"{op}: q and k must have the same number of dims, got {q.dim()} and {k.dim()}",
+    )
+    for d in (0, seq_dim):
         torch._check_value(
             q.shape[d] == k.shape[d],
             lambda d=d: f"{op}: q and k must agree on dim {d} (batch and seq_dim; only head counts "

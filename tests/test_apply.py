@@ -111,6 +111,39 @@ def test_apply_rotary_qk_gqa(device, dtype, interleaved, inplace, fused):
     assert (got_q is q and got_k is k) == inplace
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_positions_define_positions(device, dtype, inplace):
+    """With positions, seq_dim plays no part: q and k need only share head_dim and each
+    broadcast with positions (vLLM's packed call; ranks and leading dims may differ)."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, table = 13, rope_ext.precompute_freqs_cis(64, P, device=device)
+    pos = torch.randint(0, P, (tokens,), generator=gen).to(device)
+    cases = [
+        # packed [T, H, D] q and k with different head counts, default seq_dim
+        (torch.randn(tokens, 8, 64, generator=gen), torch.randn(tokens, 2, 64, generator=gen),
+         pos[:, None], {}),
+        # different ranks, and a seq_dim that names no dim of k
+        (torch.randn(2, tokens, 4, 64, generator=gen), torch.randn(tokens, 2, 64, generator=gen),
+         pos[:, None], dict(seq_dim=2)),
+        # [T, D] rows (2-D) where the default seq_dim=1 is the feature dim
+        (torch.randn(tokens, 64, generator=gen), torch.randn(tokens, 64, generator=gen), pos, {}),
+    ]
+    for q, k, positions, kwargs in cases:
+        q, k = q.to(device, dtype), k.to(device, dtype)
+        k_alone = k.clone()
+        want_q = reference_of(q, table, positions=positions)
+        want_k = reference_of(k, table, positions=positions)
+        got_q, got_k = rope_ext.apply_rotary_qk(q, k, table, positions=positions,
+                                                inplace=inplace, **kwargs)
+        assert_matches_reference(got_q, want_q)
+        assert_matches_reference(got_k, want_k)
+        assert (got_q is q and got_k is k) == inplace
+        got_x = rope_ext.apply_rotary(k_alone, table, positions=positions, inplace=inplace,
+                                      **kwargs)
+        assert_matches_reference(got_x, want_k)
+
+
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dims(device, head_dim, dtype):

@@ -34,6 +34,9 @@ def opcheck_samples(device):
          False, True),
         (qkv[..., :32].view(2, 4, 2, 16), qkv[..., 32:48].view(2, 4, 1, 16), table, pos, 0, 1,
          True, False),
+        # packed [T, H, D] with per-token positions: seq_dim plays no part, leading dims differ
+        (randn(7, 4, 16, grad=True), randn(7, 2, 16), table,
+         torch.randint(0, 12, (7, 1), generator=gen).to(device), 0, 1, False, False),
     ]
     return samples, qk_samples
 

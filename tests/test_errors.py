@@ -72,6 +72,12 @@ APPLY_CASES = [
     ("qk sequence", "apply_rotary_qk", (x_(1, 4, 2, 16), x_(1, 5, 2, 16), T), {}, ValueError,
      "apply_rotary_qk: q and k must agree on dim 1 (batch and seq_dim; only head counts may "
      "differ), got 4 and 5"),
+    ("qk with positions: k not broadcastable", "apply_rotary_qk",
+     (x_(6, 8, 16), x_(5, 2, 16), T, torch.zeros(6, 1, dtype=torch.long)), {}, ValueError,
+     "apply_rotary_qk: positions of shape [6, 1] is not broadcastable to k.shape[:-1] = [5, 2]"),
+    ("qk with positions: head_dim", "apply_rotary_qk",
+     (x_(6, 8, 16), x_(6, 2, 18), T, torch.zeros(6, 1, dtype=torch.long)), {}, ValueError,
+     "apply_rotary_qk: q and k must have the same head_dim, got 16 and 18"),
     ("qk bad k dtype", "apply_rotary_qk", (x_(1, 4, 2, 16), torch.ones(1, 4, 2, 16, dtype=torch.int32), T), {},
      TypeError, "apply_rotary_qk: k must be a float16, bfloat16, float32 or float64 tensor, got Int"),
 ]

@@ -27,6 +27,7 @@ def test_fallback_matches_native_and_warns_once(no_native):
         table = rope_ext.precompute_freqs_cis(32, 16)  # the fallback's table
         got = rope_ext.apply_rotary(x, table, positions=positions, interleaved=False)
         got_q, got_k = rope_ext.apply_rotary_qk(x, x[:, :, :2], table, offset=3)
+        packed = rope_ext.apply_rotary_qk(x[0], x[1, :, :2], table, positions=positions[0])
         rope_ext.apply_rotary(x.clone(), table, inplace=True, inverse=True)
     messages = [str(w.message) for w in caught if "rope_ext" in str(w.message)]
     assert len(messages) == 1 and "eager complex-multiply path" in messages[0]
@@ -36,6 +37,10 @@ def test_fallback_matches_native_and_warns_once(no_native):
     want_q, want_k = _call_native(rope_ext.apply_rotary_qk, x, x[:, :, :2], table, offset=3)
     assert_matches_reference(got_q, want_q.double())
     assert_matches_reference(got_k, want_k.double())
+    want_packed = _call_native(rope_ext.apply_rotary_qk, x[0], x[1, :, :2], table,
+                               positions=positions[0])
+    for g, w in zip(packed, want_packed):
+        assert_matches_reference(g, w.double())
 
 
 def _call_native(fn, *args, **kwargs):
