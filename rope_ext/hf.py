@@ -82,7 +82,11 @@ def rope_parameters(config) -> dict:
     if params is None:  # transformers 4.x
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return dict(params)
+    params = dict(params)
+    if "original_max_position_embeddings" not in params and hasattr(
+            config, "original_max_position_embeddings"):  # Phi-3's longrope keeps it here
+        params["original_max_position_embeddings"] = config.original_max_position_embeddings
+    return params
 
 
 def table_from_config(config, end: int | None = None, *, seq_len: int | None = None,
@@ -93,9 +97,6 @@ def table_from_config(config, end: int | None = None, *, seq_len: int | None = N
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     dim = head_dim if rope_type == "proportional" else int(head_dim * partial)
-    if "original_max_position_embeddings" not in params and hasattr(
-            config, "original_max_position_embeddings"):
-        params["original_max_position_embeddings"] = config.original_max_position_embeddings
     return api.precompute_freqs_cis(
         dim, end or config.max_position_embeddings, rope_scaling=params,
         max_position_embeddings=config.max_position_embeddings, seq_len=seq_len,

@@ -47,17 +47,35 @@ if "proportional" in ROPE_INIT_FUNCTIONS:
     ]
 
 
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+
+
+def rope_kwargs(rope_parameters: dict) -> dict:
+    """A config's rope arguments: transformers 5's rope_parameters dict, or 4.x's rope_theta
+    plus a rope_scaling dict (None for the default type)."""
+    if not TRANSFORMERS_4:
+        return dict(rope_parameters=rope_parameters)
+    scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    kwargs = dict(rope_theta=rope_parameters["rope_theta"],
+                  rope_scaling=None if scaling["rope_type"] == "default" else scaling)
+    if scaling["rope_type"] == "longrope":  # 4.x reads it from the config, as Phi-3's has it
+        kwargs["original_max_position_embeddings"] = scaling.pop("original_max_position_embeddings")
+    return kwargs
+
+
 def llama_config(rope_parameters, max_position_embeddings, **extra):
     return LlamaConfig(hidden_size=HEAD_DIM * 2, num_attention_heads=2,
                        max_position_embeddings=max_position_embeddings,
-                       rope_parameters=rope_parameters, **extra)
+                       **rope_kwargs(rope_parameters), **extra)
 
 
 def transformers_frequencies(config, rope_type, seq_len):
-    if rope_type == "default":
+    if rope_type == "default" and "default" not in ROPE_INIT_FUNCTIONS:
+        # transformers 5: a static method of the rotary module, whose device argument 5.18
+        # deprecated and later releases removed.
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        return LlamaRotaryEmbedding.compute_default_rope_parameters(config, "cpu")
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
 
 
@@ -68,7 +86,7 @@ def test_frequencies_match_transformers(case):
         config = llama_config({"rope_type": rope_type, **params}, max_pos)
         want_inv, want_attention = transformers_frequencies(config, rope_type, seq_len)
         got_inv, got_attention = rope_ext.rope_frequencies(
-            HEAD_DIM, rope_scaling=config.rope_parameters, max_position_embeddings=max_pos,
+            HEAD_DIM, rope_scaling=rope_ext.hf.rope_parameters(config), max_position_embeddings=max_pos,
             seq_len=seq_len)
         torch.testing.assert_close(got_inv, want_inv.double(), rtol=1e-6, atol=0)
         assert math.isclose(got_attention, want_attention, rel_tol=1e-6)
@@ -80,9 +98,9 @@ def test_frequencies_match_transformers(case):
 
 def test_sequence_length_changes_dynamic_and_longrope():
     dynamic = llama_config({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, 2048)
-    short = rope_ext.rope_frequencies(HEAD_DIM, rope_scaling=dynamic.rope_parameters,
+    short = rope_ext.rope_frequencies(HEAD_DIM, rope_scaling=rope_ext.hf.rope_parameters(dynamic),
                                       max_position_embeddings=2048, seq_len=1000)[0]
-    long = rope_ext.rope_frequencies(HEAD_DIM, rope_scaling=dynamic.rope_parameters,
+    long = rope_ext.rope_frequencies(HEAD_DIM, rope_scaling=rope_ext.hf.rope_parameters(dynamic),
                                      max_position_embeddings=2048, seq_len=8000)[0]
     assert torch.equal(short, rope_ext.rope_frequencies(HEAD_DIM, 1e4)[0]) and (long < short).any()
     params = dict(rope_type="longrope", short_factor=PHI3_SHORT, long_factor=PHI3_LONG,
@@ -171,7 +189,7 @@ def tiny_model(family, dtype=torch.float32):
             "mistral": {"rope_type": "default", "rope_theta": 1e6}}[family]
     config = config_cls(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        rope_parameters=rope, attn_implementation="sdpa")
+                        **rope_kwargs(rope), attn_implementation="sdpa")
     torch.manual_seed(0)
     return model_cls(config).to(dtype).eval()
 
