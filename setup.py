@@ -10,6 +10,8 @@ Environment:
 
 import os
 import platform
+import sys
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
@@ -33,6 +35,7 @@ ISA_FLAGS = {
     ],
 }
 DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+WITH_CUDA = False  # set by extension()
 
 
 def find_cuda_home() -> str | None:
@@ -75,8 +78,33 @@ def sources(with_cuda: bool) -> list[str]:
     return files
 
 
+def persistent_build_temp(build_temp: str) -> str:
+    """Where the object files go: build/temp-<configuration>/ in the source tree, unless the
+    caller named a folder of its own.
+
+    pip builds in a fresh temporary folder each time, so the README's second command would
+    recompile everything the first had just built; with the objects kept here, ninja
+    recompiles only what changed. The folder name carries everything that changes the
+    objects, so two configurations never share one.
+    """
+    if not Path(build_temp).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
+        return build_temp
+    config = "-".join([
+        f"py{sys.version_info[0]}{sys.version_info[1]}",
+        f"torch{torch.__version__.replace('+', '_')}",
+        "cuda" if WITH_CUDA else "cpu",
+        "san" if os.environ.get("ROPE_EXT_SANITIZE") == "1" else "release",
+    ])
+    return str(ROOT.resolve() / "build" / f"temp-{config}")
+
+
 class BuildExtension(cpp_extension.BuildExtension):
-    """torch's BuildExtension, compiling the per-instruction-set kernels with their flags."""
+    """torch's BuildExtension, compiling the per-instruction-set kernels with their flags,
+    with its objects kept between builds (persistent_build_temp)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = persistent_build_temp(self.build_temp)
 
     def build_extension(self, ext):
         compile_all = self.compiler.compile
@@ -101,7 +129,8 @@ class BuildExtension(cpp_extension.BuildExtension):
 
 
 def extension():
-    with_cuda = want_cuda()
+    global WITH_CUDA
+    WITH_CUDA = with_cuda = want_cuda()
     cxx = ["-O3", "-fopenmp", "-fvisibility=hidden"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     link = ["-fopenmp"]
