@@ -1,77 +1,230 @@
 """rope_ext for Hugging Face transformers models.
 
     import rope_ext.hf
-    rope_ext.hf.enable()       # every supported model family now rotates with rope_ext
-    rope_ext.hf.disable()      # back to transformers' own function
+    rope_ext.hf.enable()       # every recognised RoPE function now rotates with rope_ext
+    rope_ext.hf.disable()      # back to transformers' own functions
 
-`apply_rotary_pos_emb` is a drop-in for transformers' function of that name: half-split
-pairs, `cos`/`sin` as the model's rotary module returns them, q and k in one kernel launch.
-`table_from_config` builds a model's (scaled) table natively from its config.
+transformers gives every model family its own copy of its RoPE function, and those copies
+come in a few dozen behaviours: half-split or interleaved pairs, full or partial rotary, cos
+tables laid out as cat(freqs, freqs), repeat_interleave(freqs, 2) or freqs alone, complex
+freqs_cis, one tensor or q and k, float32 compute with a cast back, DeepSeek's de-interleaving
+variant. `VARIANTS` names each behaviour by a function of the installed transformers that
+has it; `enable()` recognises a module's function by its code (and that of the helpers it
+calls, such as rotate_half) and swaps in a rope_ext drop-in with the same signature and
+semantics, q and k in one kernel launch. `table_from_config` builds a model's (scaled)
+table natively from its config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import pkgutil
+import sys
 
 import torch
 
 from . import api
 
-# Families checked to share transformers' apply_rotary_pos_emb; enable() also patches every
-# other imported (or, with all_families=True, importable) module whose function is that one.
+# Families enable() always imports and checks; with all_families=True it checks every family
+# transformers ships, and it always checks every modeling module already imported.
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
             "gemma2", "gemma3", "olmo2", "granite", "phi3", "starcoder2")
 
-_patched: dict[str, object] = {}  # module name -> transformers' original function
+_patched: dict[tuple[str, str], object] = {}  # (module, function name) -> transformers' function
 
 
-def _rotate_with_cos_sin(q, k, cos, sin, unsqueeze_dim):
-    half = cos.shape[-1] // 2
-    # The rotary module's cos/sin are cat(freqs, freqs) (times the attention factor): their
-    # first halves are the table rows of this call, one per (batch, token).
-    table = torch.stack([cos[..., :half], sin[..., :half]], -1).float()
-    if table.dim() == 3:
-        table = table.unsqueeze(0)
-    rows, seq = table.shape[0], table.shape[1]
-    table = table.reshape(rows * seq, half, 2)
-    positions = torch.arange(rows * seq, device=q.device).view(rows, seq)
-    if unsqueeze_dim == 1:
-        positions, seq_dim = positions.view(rows, 1, seq), 2
-    elif unsqueeze_dim == 2:
-        positions, seq_dim = positions.view(rows, seq, 1), 1
-    else:
-        raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
-    return api.apply_rotary_qk(q, k, table, positions=positions, seq_dim=seq_dim,
-                               interleaved=False)
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One behaviour of transformers' RoPE functions, and how rope_ext reproduces it.
 
-
-def _apply_rotary_pos_emb_v5(q, k, cos, sin, unsqueeze_dim=1):
-    """transformers' apply_rotary_pos_emb, backed by rope_ext's native kernels.
-
-    q, k: [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] (unsqueeze_dim=2); cos, sin:
-    [B, S, R] or [S, R] with R <= D (features R.. pass through).
+    family, function: a function of the installed transformers that has this behaviour; every
+        function with the same code (and the same helpers) is this variant.
+    layout: how the function reads its rotary dim R and angles from cos/sin:
+        "cat"      cos [..., R] is cat(freqs, freqs): the angles are cos[..., :R/2];
+        "repeated" cos [..., R] is freqs.repeat_interleave(2): the angles are cos[..., 0::2];
+        "half"     cos [..., R/2] holds the angles themselves.
+    interleaved: pairs (2i, 2i+1), else (i, i + R/2). Features R.. pass through.
+    inverse: the function rotates by the negative angle (a sign-flipped rotate_half).
+    cast: the outputs' dtypes: "promote" torch's promotion of the input and cos (the
+        arithmetic runs in that dtype), "each" each input's own, "q" q's for both.
+    deinterleave: DeepSeek's apply_rotary_pos_emb_interleave: rotate interleaved pairs and
+        return the rotated even features, then the odd ones.
+    bare_q: with k None, return the rotated q alone rather than (q, None).
     """
-    return _rotate_with_cos_sin(q, k, cos, sin, unsqueeze_dim)
+
+    name: str
+    family: str
+    function: str
+    layout: str = "cat"
+    interleaved: bool = False
+    inverse: bool = False
+    cast: str = "promote"
+    deinterleave: bool = False
+    bare_q: bool = False
 
 
-def _apply_rotary_pos_emb_v4(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """transformers 4.x's apply_rotary_pos_emb (position_ids unused, as there)."""
-    return _rotate_with_cos_sin(q, k, cos, sin, unsqueeze_dim)
+VARIANTS = (
+    Variant("half-split", "llama", "apply_rotary_pos_emb"),
+    Variant("half-split, partial", "gpt_neox", "apply_rotary_pos_emb"),
+    Variant("half-split, partial", "phi3", "apply_rotary_pos_emb"),
+    Variant("half-split, partial", "nemotron", "apply_rotary_pos_emb"),
+    Variant("half-split, partial", "glmasr", "apply_rotary_pos_emb"),
+    Variant("half-split, partial, optional k", "qwen4_exp", "apply_rotary_pos_emb", bare_q=True),
+    Variant("half-split, cast back to each dtype", "olmo2", "apply_rotary_pos_emb", cast="each"),
+    Variant("half-split, float32, cast to q's dtype", "modernbert", "apply_rotary_pos_emb",
+            cast="q"),
+    Variant("half-split, half-size cos", "gpt_oss", "apply_rotary_pos_emb", layout="half"),
+    Variant("half-split, negated angle", "nanochat", "apply_rotary_pos_emb", inverse=True),
+    Variant("half-split, one tensor", "gemma3n", "apply_rotary_pos_emb"),
+    Variant("interleaved, repeated cos, float32", "cohere", "apply_rotary_pos_emb",
+            layout="repeated", interleaved=True, cast="q"),
+    Variant("interleaved, repeated cos", "blt", "apply_rotary_pos_emb", layout="repeated",
+            interleaved=True),
+    Variant("interleaved, repeated cos, partial", "glm4v", "apply_rotary_pos_emb",
+            layout="repeated", interleaved=True),
+    Variant("interleaved, repeated cos, float32", "ernie4_5_vl_moe", "apply_rotary_pos_emb",
+            layout="repeated", interleaved=True, cast="q"),
+    Variant("interleaved, cat cos", "helium", "apply_rotary_pos_emb", interleaved=True),
+    Variant("interleaved, cat cos, partial", "glm", "apply_rotary_pos_emb", interleaved=True),
+    Variant("interleaved, cat cos, float32", "ernie4_5", "apply_rotary_pos_emb",
+            interleaved=True, cast="q"),
+    Variant("interleaved, cat cos (2x2 matrices)", "pe_audio", "apply_rotary_pos_emb",
+            interleaved=True),
+    Variant("interleaved, half-size cos", "openai_privacy_filter", "apply_rotary_pos_emb",
+            layout="half", interleaved=True),
+    Variant("interleaved, one tensor, half-size sin/cos (GPT-J)", "gptj", "apply_rotary_pos_emb",
+            layout="half", interleaved=True),
+    Variant("DeepSeek interleave", "deepseek_v3", "apply_rotary_pos_emb_interleave",
+            deinterleave=True),
+    Variant("DeepSeek interleave, optional k", "mistral_large4", "apply_rotary_pos_emb_interleave",
+            deinterleave=True),
+    Variant("complex freqs_cis, heads at dim 1", "deepseek_v2", "apply_rotary_emb",
+            layout="half", interleaved=True, cast="each"),
+    Variant("complex freqs_cis, heads at dim 2", "llama4", "apply_rotary_emb", layout="half",
+            interleaved=True, cast="each"),
+)
 
 
-def _transformers_major() -> int:
-    try:
-        return int(importlib.metadata.version("transformers").split(".")[0])
-    except importlib.metadata.PackageNotFoundError:
-        return 5
+def _rows_table(cos, sin, unsqueeze_dim, layout):
+    """The table [rows, R/2, 2] of a call's cos/sin [*lead, W], and positions (the row of each
+    (batch, token)) shaped as cos.unsqueeze(unsqueeze_dim) without its last dim, so they
+    broadcast against q's leading dims exactly as cos does against q."""
+    if layout == "cat":
+        cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    elif layout == "repeated":
+        cos, sin = cos[..., 0::2], sin[..., 0::2]
+    real = torch.float64 if cos.dtype == torch.float64 else torch.float32
+    table = torch.stack([cos, sin], -1).to(real)
+    lead = table.shape[:-2]
+    positions = torch.arange(lead.numel(), device=table.device).view(lead)
+    if unsqueeze_dim is not None:
+        positions = positions.unsqueeze(unsqueeze_dim if unsqueeze_dim >= 0
+                                        else unsqueeze_dim + len(lead) + 1)
+    return table.reshape(-1, *table.shape[-2:]), positions
 
 
-# The installed transformers' signature.
-apply_rotary_pos_emb = (_apply_rotary_pos_emb_v5 if _transformers_major() >= 5
-                        else _apply_rotary_pos_emb_v4)
-apply_rotary_pos_emb.__name__ = "apply_rotary_pos_emb"
+def _deinterleaved(x):
+    return torch.cat((x[..., 0::2], x[..., 1::2]), -1)
+
+
+def _rotate(v: Variant, q, k, cos, sin, unsqueeze_dim):
+    """q (and k, when given) rotated as variant v's function rotates them."""
+    if v.cast == "promote":  # the arithmetic runs in the promoted dtype, as there
+        dtype = torch.promote_types(q.dtype, cos.dtype)
+        q = q.to(dtype)
+        k = None if k is None else k.to(torch.promote_types(k.dtype, cos.dtype))
+    table, positions = _rows_table(cos, sin, unsqueeze_dim, v.layout)
+    kwargs = dict(positions=positions, interleaved=v.interleaved and not v.deinterleave,
+                  inverse=v.inverse)
+    if v.deinterleave:  # rotate the de-interleaved copy in place: half-split pairs there
+        q, k = _deinterleaved(q), None if k is None else _deinterleaved(k)
+        kwargs["inplace"] = True
+    if k is None:
+        q_out = api.apply_rotary(q, table, **kwargs)
+        return q_out if v.bare_q else (q_out, None)
+    q_out, k_out = api.apply_rotary_qk(q, k, table, **kwargs)
+    return q_out, k_out.to(q_out.dtype) if v.cast == "q" else k_out
+
+
+def _complex_rotate(v: Variant, xq, xk, freqs_cis, heads_dim):
+    table = torch.view_as_real(freqs_cis)
+    return _rotate(v, xq, xk, table[..., 0], table[..., 1], heads_dim)
+
+
+def _dropin(v: Variant, reference):
+    """A function with reference's parameters that rotates as v, through rope_ext."""
+    params = tuple(inspect.signature(reference).parameters)
+    if params == ("q", "k", "cos", "sin", "unsqueeze_dim"):
+        def fn(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+            return _rotate(v, q, k, cos, sin, unsqueeze_dim)
+    elif params == ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"):
+        def fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+            return _rotate(v, q, k, cos, sin, unsqueeze_dim)
+    elif params == ("x", "cos", "sin", "unsqueeze_dim"):
+        def fn(x, cos, sin, unsqueeze_dim=1):
+            return _rotate(v, x, None, cos, sin, unsqueeze_dim)[0]
+    elif params == ("x", "cos", "sin", "position_ids", "unsqueeze_dim"):  # 4.x's Gemma 3n
+        def fn(x, cos, sin, position_ids=None, unsqueeze_dim=1):
+            return _rotate(v, x, None, cos, sin, unsqueeze_dim)[0]
+    elif params == ("tensor", "sin", "cos"):  # GPT-J: [B, S, H, R], sin/cos [B, S, R/2]
+        def fn(tensor, sin, cos):
+            return _rotate(v, tensor, None, cos, sin, 2)[0]
+    elif params == ("xq", "xk", "freqs_cis"):  # heads at dim 1 (DeepSeek-V2) or 2 (Llama 4)
+        heads_dim = 1 if "dim 1" in v.name else 2
+
+        def fn(xq, xk, freqs_cis):
+            return _complex_rotate(v, xq, xk, freqs_cis, heads_dim)
+    else:
+        return None
+    fn.__name__ = fn.__qualname__ = reference.__name__
+    fn.__signature__ = inspect.signature(reference)
+    fn.__doc__ = (f"transformers' {v.family} {reference.__name__} ({v.name}), rotating with "
+                  "rope_ext's native kernels.")
+    fn.rope_ext_variant = v.name
+    return fn
+
+
+def _fingerprint(fn, namespace: dict, depth: int = 0):
+    """What a function does, by its code: bytecode, names and constants (docstrings aside),
+    parameters, and the same for the module functions it calls (rotate_half differs between
+    half-split and interleaved families whose apply functions are byte-identical)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    helpers = tuple(
+        _fingerprint(namespace[name], namespace, depth + 1)
+        if depth < 2 and inspect.isfunction(namespace.get(name)) else name
+        for name in code.co_names)
+    consts = tuple(c for c in code.co_consts if not isinstance(c, str))
+    return (code.co_code, code.co_names, repr(consts),
+            code.co_varnames[: code.co_argcount + code.co_kwonlyargcount], helpers)
+
+
+_known: dict | None = None  # fingerprint -> (Variant, drop-in), for the installed transformers
+
+
+def _known_variants() -> dict:
+    global _known
+    if _known is None:
+        _known = {}
+        for v in VARIANTS:
+            try:
+                module = importlib.import_module(
+                    f"transformers.models.{v.family}.modeling_{v.family}")
+            except Exception:  # noqa: BLE001 - a family this transformers lacks
+                continue
+            reference = _original(module.__name__, v.function, getattr(module, v.function, None))
+            fn = _dropin(v, reference) if reference is not None else None
+            if fn is not None:
+                _known.setdefault(_fingerprint(reference, vars(module)), (v, fn))
+    return _known
+
+
+def _original(module_name: str, name: str, current):
+    return _patched.get((module_name, name), current)
 
 
 def rope_parameters(config) -> dict:
@@ -103,15 +256,7 @@ def table_from_config(config, end: int | None = None, *, seq_len: int | None = N
         device=device, dtype=dtype)
 
 
-def _is_shared_function(fn, reference) -> bool:
-    """Whether fn is transformers' shared apply_rotary_pos_emb (same code, any docstring)."""
-    code, ref = getattr(fn, "__code__", None), reference.__code__
-    return code is not None and code.co_code == ref.co_code and code.co_names == ref.co_names
-
-
 def _modeling_modules(all_families: bool) -> list[str]:
-    import sys
-
     import transformers.models
 
     names = {f"transformers.models.{f}.modeling_{f}" for f in FAMILIES}
@@ -122,36 +267,54 @@ def _modeling_modules(all_families: bool) -> list[str]:
     return sorted(names)
 
 
+def _rope_functions(module) -> dict[str, object]:
+    """The module's own public top-level functions whose name says rotary or rope (private
+    helpers such as gpt-oss's _apply_rotary_emb are reached through them)."""
+    return {name: fn for name, fn in vars(module).items()
+            if ("rotary" in name or "rope" in name) and not name.startswith("_")
+            and inspect.isfunction(
+                _original(module.__name__, name, fn))
+            and getattr(_original(module.__name__, name, fn), "__module__", None) == module.__name__}
+
+
+def _classify(module) -> dict[str, Variant | None]:
+    """Each RoPE function of the module: its variant, or None where rope_ext has none."""
+    known = _known_variants()
+    out = {}
+    for name, fn in _rope_functions(module).items():
+        entry = known.get(_fingerprint(_original(module.__name__, name, fn), vars(module)))
+        out[name] = entry[0] if entry else None
+    return out
+
+
 def enable(all_families: bool = False) -> list[str]:
-    """Routes transformers' apply_rotary_pos_emb through rope_ext; returns the modules patched.
+    """Routes transformers' RoPE functions through rope_ext; returns the modules patched.
 
-    Patches the FAMILIES and every already-imported modeling module whose function is the
-    shared one (all_families=True imports and checks every family first). transformers 5 marks
-    the function for its kernels hub, which only loads hub repositories, so the module
-    attribute the attention layers call is swapped instead.
+    Checks the FAMILIES and every already-imported modeling module (all_families=True imports
+    and checks every family first) and swaps each function of a known variant for its
+    drop-in. transformers 5 marks some of these functions for its kernels hub, which only
+    loads hub repositories, so the module attribute the attention layers call is swapped.
     """
-    from transformers.models.llama import modeling_llama
-
-    reference = _patched.get("transformers.models.llama.modeling_llama",
-                             modeling_llama.apply_rotary_pos_emb)
+    known = _known_variants()
     for name in _modeling_modules(all_families):
-        if name in _patched:
-            continue
         try:
             module = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a family whose optional dependencies are missing
             continue
-        original = getattr(module, "apply_rotary_pos_emb", None)
-        if original is not None and _is_shared_function(original, reference):
-            _patched[name] = original
-            module.apply_rotary_pos_emb = apply_rotary_pos_emb
-    return sorted(_patched)
+        for fn_name, fn in _rope_functions(module).items():
+            if (name, fn_name) in _patched:
+                continue
+            entry = known.get(_fingerprint(fn, vars(module)))
+            if entry is not None:
+                _patched[(name, fn_name)] = fn
+                setattr(module, fn_name, entry[1])
+    return sorted({module for module, _ in _patched})
 
 
 def disable() -> None:
-    """Restores transformers' own apply_rotary_pos_emb everywhere enable() swapped it."""
-    for name, original in _patched.items():
-        importlib.import_module(name).apply_rotary_pos_emb = original
+    """Restores transformers' own functions everywhere enable() swapped them."""
+    for (name, fn_name), original in _patched.items():
+        setattr(importlib.import_module(name), fn_name, original)
     _patched.clear()
 
 
@@ -159,5 +322,40 @@ def enabled() -> bool:
     return bool(_patched)
 
 
-__all__ = ["apply_rotary_pos_emb", "disable", "enable", "enabled", "rope_parameters",
-           "table_from_config"]
+def coverage() -> dict:
+    """What enable(all_families=True) covers in the installed transformers: for every
+    modeling module that defines a RoPE function (a top-level function named *rotary* or
+    *rope*), each function's variant name, or None where rope_ext has no drop-in."""
+    import transformers.models
+
+    report = {}
+    for info in pkgutil.iter_modules(transformers.models.__path__):
+        try:
+            module = importlib.import_module(
+                f"transformers.models.{info.name}.modeling_{info.name}")
+        except Exception:  # noqa: BLE001 - missing optional dependencies, or no modeling file
+            continue
+        functions = {n: (v.name if v else None) for n, v in _classify(module).items()}
+        if functions:
+            report[module.__name__] = functions
+    return report
+
+
+def _llama_reference():
+    from transformers.models.llama import modeling_llama
+
+    return (_original(modeling_llama.__name__, "apply_rotary_pos_emb",
+                      modeling_llama.apply_rotary_pos_emb), vars(modeling_llama))
+
+
+def __getattr__(name):
+    # apply_rotary_pos_emb: the Llama drop-in, for calling directly, with the installed
+    # transformers' signature ((q, k, cos, sin, unsqueeze_dim=1); 4.x adds position_ids).
+    # Built on first use, which imports transformers.
+    if name == "apply_rotary_pos_emb":
+        return _known_variants()[_fingerprint(*_llama_reference())][1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["VARIANTS", "Variant", "apply_rotary_pos_emb", "coverage", "disable", "enable",
+           "enabled", "rope_parameters", "table_from_config"]

@@ -3,6 +3,7 @@ randomly initialised) models: logits, greedy decoding with the KV cache, a train
 torch.compile."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -277,3 +278,190 @@ def test_positions_from_cu_seqlens():
     for start, end in [(0, 3), (3, 8), (8, 9)]:
         alone = rope_ext.apply_rotary(q[start:end], table, seq_dim=0)
         torch.testing.assert_close(got[start:end], alone)
+
+
+# ----------------------------------------------------------------------------- every variant
+
+def variant_modules():
+    """(variant, module, transformers' function) for each variant this transformers has."""
+    import importlib
+
+    out = []
+    for v in rope_ext.hf.VARIANTS:
+        try:
+            module = importlib.import_module(f"transformers.models.{v.family}.modeling_{v.family}")
+        except ImportError:
+            continue
+        original = rope_ext.hf._original(module.__name__, v.function,
+                                         getattr(module, v.function, None))
+        if original is not None:
+            out.append((v, module, original))
+    return out
+
+
+def variant_inputs(v, fn, dtype, cos_dtype, unsqueeze_dim, gen):
+    """Positional arguments for transformers' function fn of variant v."""
+    import inspect
+
+    params = tuple(inspect.signature(fn).parameters)
+    B, S, H, D = 2, 7, 3, 16
+    R = D // 2 if "partial" in v.name else D
+    angles = torch.rand(B, S, R // 2, generator=gen, dtype=torch.float64) * 40
+    cos, sin = angles.cos() * 1.25, angles.sin() * 1.25  # an attention factor, as yarn's
+    if v.layout == "cat":
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    elif v.layout == "repeated":
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    cos, sin = cos.to(cos_dtype), sin.to(cos_dtype)
+
+    def x(heads, heads_dim=unsqueeze_dim, width=D):
+        shape = [B, S, width]
+        shape.insert(heads_dim, heads)
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    if params == ("tensor", "sin", "cos"):
+        return (x(H, 2, R), sin, cos)
+    if params == ("xq", "xk", "freqs_cis"):
+        heads_dim = 1 if "dim 1" in v.name else 2
+        return (x(H, heads_dim), x(1, heads_dim), torch.polar(torch.ones_like(angles), angles).to(
+            torch.complex64 if cos_dtype != torch.float64 else torch.complex128))
+    if params[0] == "x":
+        return (x(H), cos, sin, *([None] if "position_ids" in params else []), unsqueeze_dim)
+    if "position_ids" in params:
+        return (x(H), x(1), cos, sin, None, unsqueeze_dim)
+    return (x(H), x(1), cos, sin, unsqueeze_dim)
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("dtype,cos_dtype", [(torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_every_variant_matches_its_function(dtype, cos_dtype, unsqueeze_dim):
+    """Each drop-in against transformers' own function of that variant: values against the
+    function run in float64, output dtypes as the function gives them, gradients."""
+    cases = variant_modules()  # imports each variant's module, so enable() checks it
+    assert len(cases) >= (1 if TRANSFORMERS_4 else len(rope_ext.hf.VARIANTS))
+    rope_ext.hf.enable()
+    try:
+        for v, module, original in cases:
+            dropin = getattr(module, v.function)
+            # (in transformers 4.x some of these families share an earlier variant's code)
+            assert getattr(dropin, "rope_ext_variant", None) == v.name or (
+                TRANSFORMERS_4 and hasattr(dropin, "rope_ext_variant")), (v, dropin)
+            gen = torch.Generator().manual_seed(0)
+            args = variant_inputs(v, original, dtype, cos_dtype, unsqueeze_dim, gen)
+            # q and k (4-D) get gradients; cos and sin come from buffers in every model.
+            args = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.dim() == 4
+                    else a for a in args]
+            got = dropin(*args)
+            want = original(*args)
+            exact = original(*[a.detach().to(torch.complex128 if a.is_complex() else torch.float64)
+                               if isinstance(a, torch.Tensor) else a for a in args])
+            got, want, exact = [t if isinstance(t, tuple) else (t,) for t in (got, want, exact)]
+            tol = (dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else
+                   dict(atol=4e-2, rtol=2e-2))
+            for g, w, e in zip(got, want, exact):
+                assert g.dtype == w.dtype, (v.name, g.dtype, w.dtype)
+                torch.testing.assert_close(g.double(), e.to(w.dtype).double(), **tol,
+                                           msg=lambda m: f"{v.name} ({v.family}): {m}")
+            if "optional k" in v.name:  # q alone: (q, None) or q itself, as the function
+                alone = [args[0].detach(), None, *args[2:]]
+                got_q, want_q = dropin(*alone), original(*alone)
+                assert type(got_q) is type(want_q) and (
+                    isinstance(want_q, torch.Tensor) or want_q[1] is None)
+                got_q = got_q if isinstance(got_q, torch.Tensor) else got_q[0]
+                want_q = want_q if isinstance(want_q, torch.Tensor) else want_q[0]
+                torch.testing.assert_close(got_q.double(), want_q.double(), **tol)
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            grads = torch.autograd.grad(sum(g.float().square().sum() for g in got), inputs)
+            want_grads = torch.autograd.grad(sum(w.float().square().sum() for w in want), inputs)
+            grad_tol = tol if dtype == torch.float32 else dict(atol=2e-1, rtol=5e-2)
+            for g, w in zip(grads, want_grads):
+                torch.testing.assert_close(g, w, **grad_tol, msg=lambda m: f"{v.name} grad: {m}")
+    finally:
+        rope_ext.hf.disable()
+
+
+# One tiny model (random weights, built here) per variant that has a causal LM; the others
+# (vision towers, encoders, q-only helpers) are covered function by function above.
+MODEL_CASES = {
+    "half-split, partial": ("gpt_neox", dict(partial_rotary_factor=0.5)),
+    "half-split, cast back to each dtype": ("olmo2", {}),
+    "half-split, float32, cast to q's dtype": ("modernbert-decoder", {}),
+    "half-split, half-size cos": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "half-split, negated angle": ("nanochat", {}),
+    "half-split, one tensor": ("gemma4_text", dict(
+        layer_types=["sliding_attention", "full_attention"], global_head_dim=16)),
+    "interleaved, repeated cos, float32": ("cohere", {}),
+    "interleaved, cat cos": ("helium", {}),
+    "interleaved, cat cos, partial": ("glm", dict(partial_rotary_factor=0.5)),
+    "interleaved, cat cos, float32": ("ernie4_5", {}),
+    "interleaved, one tensor, half-size sin/cos (GPT-J)": ("gptj", dict(
+        n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256)),
+    "DeepSeek interleave": ("deepseek_v3", dict(
+        rope_interleave=True, num_key_value_heads=4, head_dim=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1)),
+    "complex freqs_cis, heads at dim 1": ("deepseek_v2", dict(
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        moe_intermediate_size=32, n_group=1, topk_group=1)),
+    "complex freqs_cis, heads at dim 2": ("llama4_text", dict(
+        num_local_experts=2, interleave_moe_layer_step=1, intermediate_size_mlp=96)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(MODEL_CASES))
+def test_variant_model_logits_and_generation(variant):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type, extra = MODEL_CASES[variant]
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    config = AutoConfig.for_model(model_type, **{
+        **dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=256, pad_token_id=0), **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want_logits = model(ids).logits
+        want_tokens = model.generate(ids, max_new_tokens=20, do_sample=False)
+        patched = rope_ext.hf.enable()
+        try:
+            module = sys.modules[type(model).__module__]
+            assert module.__name__ in patched
+            swapped = {getattr(getattr(module, name), "rope_ext_variant", None)
+                       for name in dir(module)}
+            # transformers 4.x gives some of these families another variant than 5.x does
+            assert variant in swapped or (TRANSFORMERS_4 and swapped - {None})
+            got_logits = model(ids).logits
+            got_tokens = model.generate(ids, max_new_tokens=20, do_sample=False)
+        finally:
+            rope_ext.hf.disable()
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_tokens, want_tokens)
+
+
+def test_coverage_of_all_families():
+    """enable(all_families=True) swaps every function coverage() assigns a variant, and every
+    variant of VARIANTS is found in the installed transformers."""
+    import importlib
+
+    report = rope_ext.hf.coverage()
+    patched = rope_ext.hf.enable(all_families=True)
+    try:
+        for module_name, functions in report.items():
+            module = importlib.import_module(module_name)
+            for name, variant in functions.items():
+                swapped = getattr(getattr(module, name), "rope_ext_variant", None)
+                assert swapped == variant, (module_name, name, swapped, variant)
+            assert (module_name in patched) == any(functions.values())
+    finally:
+        rope_ext.hf.disable()
+    found = {v for functions in report.values() for v in functions.values() if v}
+    if not TRANSFORMERS_4:
+        assert found == {v.name for v in rope_ext.hf.VARIANTS}
+    assert len(patched) >= (80 if TRANSFORMERS_4 else 180)
