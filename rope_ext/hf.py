@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.metadata
 import inspect
 import pkgutil
 import sys
@@ -53,6 +52,7 @@ class Variant:
     deinterleave: DeepSeek's apply_rotary_pos_emb_interleave: rotate interleaved pairs and
         return the rotated even features, then the odd ones.
     bare_q: with k None, return the rotated q alone rather than (q, None).
+    heads_dim: for complex freqs_cis [B, S, R/2], the dim of q and k that holds the heads.
     """
 
     name: str
@@ -64,6 +64,7 @@ class Variant:
     cast: str = "promote"
     deinterleave: bool = False
     bare_q: bool = False
+    heads_dim: int = 1
 
 
 VARIANTS = (
@@ -104,7 +105,7 @@ VARIANTS = (
     Variant("complex freqs_cis, heads at dim 1", "deepseek_v2", "apply_rotary_emb",
             layout="half", interleaved=True, cast="each"),
     Variant("complex freqs_cis, heads at dim 2", "llama4", "apply_rotary_emb", layout="half",
-            interleaved=True, cast="each"),
+            interleaved=True, cast="each", heads_dim=2),
 )
 
 
@@ -137,8 +138,7 @@ def _rotate(v: Variant, q, k, cos, sin, unsqueeze_dim):
         q = q.to(dtype)
         k = None if k is None else k.to(torch.promote_types(k.dtype, cos.dtype))
     table, positions = _rows_table(cos, sin, unsqueeze_dim, v.layout)
-    kwargs = dict(positions=positions, interleaved=v.interleaved and not v.deinterleave,
-                  inverse=v.inverse)
+    kwargs = dict(positions=positions, interleaved=v.interleaved, inverse=v.inverse)
     if v.deinterleave:  # rotate the de-interleaved copy in place: half-split pairs there
         q, k = _deinterleaved(q), None if k is None else _deinterleaved(k)
         kwargs["inplace"] = True
@@ -147,11 +147,6 @@ def _rotate(v: Variant, q, k, cos, sin, unsqueeze_dim):
         return q_out if v.bare_q else (q_out, None)
     q_out, k_out = api.apply_rotary_qk(q, k, table, **kwargs)
     return q_out, k_out.to(q_out.dtype) if v.cast == "q" else k_out
-
-
-def _complex_rotate(v: Variant, xq, xk, freqs_cis, heads_dim):
-    table = torch.view_as_real(freqs_cis)
-    return _rotate(v, xq, xk, table[..., 0], table[..., 1], heads_dim)
 
 
 def _dropin(v: Variant, reference):
@@ -172,11 +167,10 @@ def _dropin(v: Variant, reference):
     elif params == ("tensor", "sin", "cos"):  # GPT-J: [B, S, H, R], sin/cos [B, S, R/2]
         def fn(tensor, sin, cos):
             return _rotate(v, tensor, None, cos, sin, 2)[0]
-    elif params == ("xq", "xk", "freqs_cis"):  # heads at dim 1 (DeepSeek-V2) or 2 (Llama 4)
-        heads_dim = 1 if "dim 1" in v.name else 2
-
+    elif params == ("xq", "xk", "freqs_cis"):
         def fn(xq, xk, freqs_cis):
-            return _complex_rotate(v, xq, xk, freqs_cis, heads_dim)
+            table = torch.view_as_real(freqs_cis)
+            return _rotate(v, xq, xk, table[..., 0], table[..., 1], v.heads_dim)
     else:
         return None
     fn.__name__ = fn.__qualname__ = reference.__name__

@@ -322,8 +322,7 @@ def variant_inputs(v, fn, dtype, cos_dtype, unsqueeze_dim, gen):
     if params == ("tensor", "sin", "cos"):
         return (x(H, 2, R), sin, cos)
     if params == ("xq", "xk", "freqs_cis"):
-        heads_dim = 1 if "dim 1" in v.name else 2
-        return (x(H, heads_dim), x(1, heads_dim), torch.polar(torch.ones_like(angles), angles).to(
+        return (x(H, v.heads_dim), x(1, v.heads_dim), torch.polar(torch.ones_like(angles), angles).to(
             torch.complex64 if cos_dtype != torch.float64 else torch.complex128))
     if params[0] == "x":
         return (x(H), cos, sin, *([None] if "position_ids" in params else []), unsqueeze_dim)
