@@ -36,6 +36,7 @@ ISA_FLAGS = {
 }
 DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
 WITH_CUDA = False  # set by extension()
+BUILT_AGAINST = "_C.torch_version"  # beside the library: the torch it was compiled against
 
 
 def find_cuda_home() -> str | None:
@@ -126,6 +127,15 @@ class BuildExtension(cpp_extension.BuildExtension):
             super().build_extension(ext)
         finally:
             self.compiler.compile = compile_all
+        # The library only loads into the torch it was compiled against; rope_ext/_native.py
+        # compares this record with the running torch and says how to rebuild on a mismatch
+        # (an isolated `pip install .` may compile against a newer torch than the user has).
+        folders = [Path(self.get_ext_fullpath(ext.name)).parent]
+        if self.inplace or getattr(self, "editable_mode", False):  # the library is copied here
+            package = ".".join(ext.name.split(".")[:-1])
+            folders.append(Path(self.get_finalized_command("build_py").get_package_dir(package)))
+        for folder in folders:
+            (folder / BUILT_AGAINST).write_text(torch.__version__ + "\n")
 
 
 def extension():

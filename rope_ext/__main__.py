@@ -4,7 +4,9 @@ every available device, and a short benchmark for a LLaMA-7B-like shape."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 
 import torch
 
@@ -38,6 +40,34 @@ def self_check(device: str) -> list[str]:
     return failures
 
 
+def quiet_third_party() -> None:
+    """Keeps messages that say nothing about the user's setup out of the report: Inductor
+    imports torch.utils.cpp_extension, which logs "No CUDA runtime is found" on every
+    machine without a GPU, and warns that it runs complex operators eagerly (the LLaMA
+    reference is complex)."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    warnings.filterwarnings(
+        "ignore", message="Torchinductor does not support code generation for complex operators")
+
+
+def setup_notes(info: dict[str, str]) -> list[str]:
+    """What the user may want to act on, each said once: no GPU, the eager fallback, a CPU
+    kernel narrower than the processor could run."""
+    notes = []
+    if not torch.cuda.is_available():
+        notes.append("no GPU visible: only the CPU kernels run here"
+                     + (" (the CUDA kernels are built)" if info.get("cuda") == "yes" else ""))
+    if not _native.LOADED:
+        notes.append(f"the compiled extension did not load, every call takes the eager path: "
+                     f"{_native.LOAD_ERROR}")
+    elif not api.native_available():
+        notes.append("ROPE_EXT_DISABLE_NATIVE=1: every call takes the eager path")
+    if info.get("cpu_kernel") == "DEFAULT":
+        notes.append("this processor has no AVX2 (or ROPE_EXT_CPU_KERNEL=DEFAULT): the CPU "
+                     "kernel is the slow baseline build")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rope_ext", description=__doc__)
     parser.add_argument("--no-bench", action="store_true", help="skip the benchmark")
@@ -45,20 +75,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave torch.compile out of the benchmark (it compiles for ~1 min on CPU)")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     args = parser.parse_args(argv)
+    quiet_third_party()
 
     print(f"rope_ext {__import__('rope_ext').__version__}  torch {torch.__version__}"
           f"  (CUDA {torch.version.cuda or 'none'})")
-    if _native.LOADED:
-        info = _native.build_info()
+    info = _native.build_info()
+    if info:
         print(f"native CPU kernel : {info['cpu_kernel']} (torch picks {info['torch_cpu_capability']})")
         print(f"native CUDA kernel: {'yes, ' + info['cuda_archs'] if info['cuda'] == 'yes' else 'not built'}")
     else:
-        print(f"native kernels    : not loaded ({_native.LOAD_ERROR}); using the eager path")
-    if not api.native_available() and _native.LOADED:
-        print("native kernels    : disabled by ROPE_EXT_DISABLE_NATIVE=1; using the eager path")
+        print("native kernels    : not loaded")
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print(f"GPU               : {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+    for note in setup_notes(info):
+        print(f"note              : {note}")
+    # The notes said it: the eager path's own warning would say it again.
+    warnings.filterwarnings("ignore", message="rope_ext: no native kernel", category=RuntimeWarning)
     ok = True
     for device in devices:
         path = "native" if _native.supports(torch.device(device)) else "eager fallback"

@@ -4,17 +4,52 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import torch
+
+_HERE = Path(__file__).parent
+# Rebuilds against the installed torch, from the source tree.
+REBUILD = "pip install setuptools ninja && pip install --no-build-isolation --force-reinstall --no-deps ."
+
+
+def built_against() -> str | None:
+    """The torch version the library was compiled against (setup.py records it), if known."""
+    try:
+        return (_HERE / "_C.torch_version").read_text().strip()
+    except OSError:
+        return None
+
+
+def _load_error(error: ImportError) -> str:
+    """Why the library did not load, in words that say what to do."""
+    built = built_against()
+    if built is not None and built != torch.__version__:
+        return (f"rope_ext was compiled against torch {built} but torch {torch.__version__} "
+                f"is installed; rebuild it against this torch from the source tree with "
+                f"`{REBUILD}` (`pip install .` alone builds in an isolated environment that "
+                f"may get another torch)")
+    if not any(_HERE.glob("_C*.so")) and (_HERE.parent / "setup.py").is_file():
+        return (f"rope_ext is imported from its source tree ({_HERE.parent}), which holds no "
+                "compiled extension: run Python from another directory to use the installed "
+                "rope_ext, or build here with `pip install --no-build-isolation -e .`")
+    return f"{type(error).__name__}: {error}"
+
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.rope_ext)
 
     LOADED = True
     LOAD_ERROR: str | None = None
-except ImportError as error:  # the extension was not built, or was built for another torch
+except ImportError as error:  # not built, built for another torch, or the source tree
     LOADED = False
-    LOAD_ERROR = f"{type(error).__name__}: {error}"
+    LOAD_ERROR = _load_error(error)
+
+if LOADED and built_against() not in (None, torch.__version__):
+    warnings.warn(
+        f"rope_ext: compiled against torch {built_against()} but running on torch "
+        f"{torch.__version__}; if anything misbehaves, rebuild with `{REBUILD}`",
+        RuntimeWarning, stacklevel=2)
 
 
 def _native_devices() -> frozenset[str]:

@@ -76,3 +76,61 @@ def test_disable_native_env_and_main_report():
                          env={**__import__("os").environ, **env})
     assert run.stdout.startswith("False")
     assert "RuntimeWarning: rope_ext: no native kernel for cpu tensors" in run.stderr
+
+
+def _import_copy(tmp_path, keep_library: bool, record: str | None, source_tree: bool):
+    """Imports a copy of the package, as installed or as a source checkout; returns what
+    `import rope_ext` then says: (native_available, LOAD_ERROR, warnings)."""
+    import os
+    import shutil
+
+    package = tmp_path / "rope_ext"
+    shutil.copytree(os.path.dirname(rope_ext.__file__), package,
+                    ignore=shutil.ignore_patterns("__pycache__", "_C.torch_version",
+                                                  *([] if keep_library else ["_C*.so"])))
+    if record is not None:
+        (package / "_C.torch_version").write_text(record + "\n")
+    if source_tree:
+        (tmp_path / "setup.py").write_text("")
+    code = ("import sys, warnings; warnings.simplefilter('always');"
+            # past an editable install's finder, which would import the checkout instead
+            "sys.meta_path[:] = [f for f in sys.meta_path"
+            " if not str(getattr(f, '__module__', '')).startswith('__editable__')];"
+            "import rope_ext, rope_ext._native as n;"
+            "print(rope_ext.native_available()); print(n.LOAD_ERROR)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    loaded, error = run.stdout.splitlines()[:2]
+    return loaded == "True", error, run.stderr
+
+
+def test_library_built_against_another_torch(tmp_path):
+    """An isolated `pip install .` may compile against a newer torch than the user runs."""
+    # It still loads (same ABI here): a warning names both versions and the fix.
+    loaded, _, stderr = _import_copy(tmp_path / "a", True, "2.99.0", source_tree=False)
+    assert loaded
+    assert (f"rope_ext: compiled against torch 2.99.0 but running on torch {torch.__version__}; "
+            "if anything misbehaves, rebuild with `pip install setuptools ninja && pip install "
+            "--no-build-isolation --force-reinstall --no-deps .`") in stderr
+    # It does not load: the fallback's reason says why and what to run.
+    loaded, error, _ = _import_copy(tmp_path / "b", False, "2.99.0", source_tree=False)
+    assert not loaded
+    assert error == (f"rope_ext was compiled against torch 2.99.0 but torch {torch.__version__} "
+                     "is installed; rebuild it against this torch from the source tree with "
+                     "`pip install setuptools ninja && pip install --no-build-isolation "
+                     "--force-reinstall --no-deps .` (`pip "
+                     "install .` alone builds in an isolated environment that may get another "
+                     "torch)")
+    # The record matching the running torch: no warning.
+    loaded, _, stderr = _import_copy(tmp_path / "c", True, torch.__version__, source_tree=False)
+    assert loaded and "compiled against" not in stderr
+
+
+def test_source_tree_without_library(tmp_path):
+    loaded, error, _ = _import_copy(tmp_path, False, None, source_tree=True)
+    assert not loaded
+    assert error == (f"rope_ext is imported from its source tree ({tmp_path}), which holds no "
+                     "compiled extension: run Python from another directory to use the "
+                     "installed rope_ext, or build here with `pip install "
+                     "--no-build-isolation -e .`")
