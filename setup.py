@@ -80,15 +80,17 @@ def sources(with_cuda: bool) -> list[str]:
 
 
 def persistent_build_temp(build_temp: str) -> str:
-    """Where the object files go: build/temp-<configuration>/ in the source tree, unless the
-    caller named a folder of its own.
+    """Where the object files go: build/temp-<configuration>/ in the source tree instead of
+    the throwaway folder of an editable install; a folder the caller named is kept.
 
     pip builds in a fresh temporary folder each time, so the README's second command would
     recompile everything the first had just built; with the objects kept here, ninja
     recompiles only what changed. The folder name carries everything that changes the
     objects, so two configurations never share one.
     """
-    if not Path(build_temp).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
+    folder = Path(build_temp).resolve()
+    if not (folder.name.endswith(".build-temp")  # setuptools' editable builds: tmpXXXX.build-temp
+            and folder.parent == Path(tempfile.gettempdir()).resolve()):
         return build_temp
     config = "-".join([
         f"py{sys.version_info[0]}{sys.version_info[1]}",
