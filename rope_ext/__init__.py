@@ -13,6 +13,9 @@ from . import _native
 if _native.LOADED:
     from . import _autograd, _meta  # noqa: F401  (autograd formulas and fake kernels)
 
+    if "torch.distributed.tensor" in __import__("sys").modules:
+        from . import distributed  # noqa: F401  (DTensor sharding rules)
+
 from .api import (
     apply_rotary,
     apply_rotary_emb,

@@ -3,6 +3,8 @@ eager path (rope_ext.reference) where no native kernel serves the tensors' devic
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import _checks, _native, reference
@@ -28,6 +30,19 @@ def _functional(op, tensors, *args):
         return op(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
+
+
+def _dtensor_inputs(op, xs, table, positions, offset, seq_dim):
+    """table, positions for a call whose inputs may be DTensors (rope_ext.distributed): as
+    given for plain tensors; the check costs nothing where DTensor was never imported."""
+    if type(xs[0]) is torch.Tensor:
+        return table, positions
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None or not isinstance(xs[0], dtensor.DTensor):
+        return table, positions
+    from . import distributed
+
+    return distributed.prepare(op, xs, table, positions, offset, seq_dim)
 
 
 def native_available() -> bool:
@@ -173,7 +188,8 @@ def apply_rotary(
         inverse: rotate by the negative angle (undoes a rotation).
         inplace: write into x and return it.
     """
-    table = _real_table(freqs_cis)
+    table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
+                                       _real_table(freqs_cis), positions, offset, seq_dim)
     if _native.serves(x):
         args = (table, positions, offset, seq_dim, interleaved, inverse)
         if inplace:
@@ -206,7 +222,9 @@ def apply_rotary_qk(
     q and k must agree on head_dim, dim 0 (batch) and seq_dim; positions must broadcast to
     both. With inplace=True they must not overlap each other.
     """
-    table = _real_table(freqs_cis)
+    table, positions = _dtensor_inputs("apply_rotary_qk_" if inplace else "apply_rotary_qk",
+                                       [q, k], _real_table(freqs_cis), positions, offset,
+                                       seq_dim)
     if _native.serves(q):
         args = (table, positions, offset, seq_dim, interleaved, inverse)
         if inplace:
