@@ -185,21 +185,33 @@ def scenario_context_parallel(mesh):
 
 
 def scenario_backward(mesh):
-    """Gradients of q, k and the table on DTensors, against the single-process ones."""
+    """Gradients of q, k and the table on DTensors, out of place and in place, against the
+    single-process ones."""
     import rope_ext
+    import rope_ext.distributed
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     q, k, table, positions = _inputs(torch.float64)
     table = table.double()
-    for placements, pos in (([Shard(0)], None), ([Shard(2)], positions),
-                            ([Shard(1)], None), ([Replicate()], positions)):
-        what = f"{placements} positions={pos is not None}"
+    cases = [(placements, pos, inplace)
+             for placements, pos in (([Shard(0)], None), ([Shard(2)], positions),
+                                     ([Shard(1)], None), ([Replicate()], positions))
+             for inplace in ((False, True) if rope_ext.distributed.INPLACE_SUPPORTED
+                             else (False,))]
+    for placements, pos, inplace in cases:
+        what = f"{placements} positions={pos is not None} inplace={inplace}"
         leaves = [t.clone().requires_grad_() for t in (q, k, table)]
-        want = rope_ext.apply_rotary_qk(*leaves, positions=pos, interleaved=False)
+        # (an in-place call recovers x from its output: the same call single-process is the
+        # reference for the table's gradient)
+        want = rope_ext.apply_rotary_qk(*[t * 1.0 if inplace else t for t in leaves[:2]],
+                                        leaves[2], positions=pos, interleaved=False,
+                                        inplace=inplace)
         sum(w.square().sum() for w in want).backward()
         dleaves = [distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k)]
         dtable = distribute_tensor(table, mesh, [Replicate()]).requires_grad_()
-        got = rope_ext.apply_rotary_qk(*dleaves, dtable, positions=pos, interleaved=False)
+        inputs = [t * 1.0 for t in dleaves] if inplace else dleaves  # in place needs non-leaves
+        got = rope_ext.apply_rotary_qk(*inputs, dtable, positions=pos, interleaved=False,
+                                       inplace=inplace)
         for g, w in zip(got, want):
             _equal(g, w.detach(), what)
         sum(g.square().sum() for g in got).backward()

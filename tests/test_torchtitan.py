@@ -81,13 +81,9 @@ def test_positions_past_the_cache_are_refused():
 
 
 def test_llama3_debugmodel_logits():
-    from torchtitan.models.llama3 import model_registry
-
-    config = model_registry("debugmodel", attn_backend="flex").model
-    patched = copy.deepcopy(config)
-    lines = apply_overrides(OverrideConfig(imports=[OVERRIDES[ComplexRoPE]]), patched)
+    stock, _ = llama3_debugmodel(None)
+    ours, lines = llama3_debugmodel(OVERRIDES[ComplexRoPE])
     assert len(lines) == 6 and all("RopeExtComplexRoPE" in line for line in lines)
-    stock, ours = config.build(), patched.build()
     ours.load_state_dict(stock.state_dict())
     assert all(type(layer.attention.rope) is tt.RopeExtComplexRoPE for layer in ours.layers.values())
     tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -97,6 +93,55 @@ def test_llama3_debugmodel_logits():
             want = stock(tokens, positions, masks)
             got = ours(tokens, positions, masks)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def llama3_debugmodel(override: str | None, sequence_parallel: bool = False):
+    """torchtitan's Llama 3 debug model as its trainer configures it (sharding declarations,
+    then the override), built on the CPU with seed 0."""
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    config = copy.deepcopy(model_registry("debugmodel", attn_backend="flex").model)
+    set_llama3_sharding_config(config, enable_sp=sequence_parallel)
+    lines = apply_overrides(OverrideConfig(imports=[override]), config) if override else []
+    torch.manual_seed(0)
+    return config.build(), lines
+
+
+def scenario_llama3_tensor_parallel(mesh):
+    """The debug model with the override under torchtitan's tensor parallelism (TP=2; q and k
+    reach the RoPE module as DTensors sharded on heads), with and without sequence
+    parallelism, against the stock model in one process."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (torchtitan's size-1 dims)
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed import ParallelDims
+
+    parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" on a machine without a GPU
+    stock, _ = llama3_debugmodel(None)
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(64).expand(2, 64)
+    masks = stock.get_attention_masks(positions)
+    with torch.no_grad():
+        want = stock(tokens, positions, masks)
+    seen = []
+    for sequence_parallel in (False, True):
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=mesh.size(), pp=1, ep=1,
+                            world_size=mesh.size(), spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        ours, _ = llama3_debugmodel(OVERRIDES[ComplexRoPE], sequence_parallel)
+        ours.load_state_dict(stock.state_dict())
+        ours.parallelize(dims)
+        rope = ours.layers["0"].attention.rope
+        rope.register_forward_pre_hook(lambda _, args: seen.append(type(args[0]).__name__))
+        with torch.no_grad():
+            got = ours(tokens, positions, masks)
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert seen == ["DTensor", "DTensor"]
+
+
+def test_llama3_debugmodel_tensor_parallel():
+    run("scenario_llama3_tensor_parallel", module=__name__, timeout=240.0)
 
 
 def scenario_torchtitan_dtensor(mesh):
