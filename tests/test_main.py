@@ -24,3 +24,23 @@ def test_kv_cache_example_runs():
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "max difference from one full pass" in run.stdout
+
+
+def test_main_job_is_quiet_and_says_what_matters_once():
+    import os
+
+    # Inductor's "No CUDA runtime is found" log (on every machine without a GPU) and its
+    # complex-operator warning stay out of the report.
+    code = ("from rope_ext.__main__ import quiet_third_party; quiet_third_party();"
+            "import warnings, torch.utils.cpp_extension;"
+            "warnings.warn('Torchinductor does not support code generation for complex "
+            "operators. Performance may be worse than eager.')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    # The eager fallback is said once, as a note, not again as a warning.
+    run = subprocess.run([sys.executable, "-m", "rope_ext", "--no-bench"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "ROPE_EXT_DISABLE_NATIVE": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("eager path") == 1 and "RuntimeWarning" not in run.stderr
+    assert "note              : ROPE_EXT_DISABLE_NATIVE=1: every call takes the eager path" in run.stdout
