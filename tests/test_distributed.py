@@ -172,15 +172,20 @@ def scenario_context_parallel(mesh):
     with pytest.raises((RuntimeError, IndexError)):  # a placement change, or no in-place DTensor ops
         OPS.apply_rotary_(dq, dtable)
     assert torch.equal(dq.to_local(), before)
-    # torch's context_parallel shards plain q, k and the table rows alike, load-balanced
-    # (chunks 0 and 3 on rank 0, 1 and 2 on rank 1 of a 4-chunk split).
+    # torch's own context_parallel shards plain q, k and the table rows alike, load-balanced
+    # (rank r holds chunks r and 2W-1-r of a 2W-chunk split), and rope_ext needs nothing more.
+    from torch.distributed.tensor.experimental import context_parallel
+
     seq = 8
     q, k, table, _ = _inputs(seq=seq)
-    rank = mesh.get_local_rank()
-    chunks = [[0, 3], [1, 2]][rank]
-    rows = torch.cat([torch.arange(c * seq // 4, (c + 1) * seq // 4) for c in chunks])
-    got_q, got_k = rope_ext.apply_rotary_qk(q[:, rows], k[:, rows], table[rows])
+    table = table[:seq].clone()
     want_q, want_k = OPS.apply_rotary_qk(q, k, table)
+    rank, chunk = mesh.get_local_rank(), seq // (2 * WORLD)
+    rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk)
+                      for c in (rank, 2 * WORLD - 1 - rank)])
+    with context_parallel(mesh, buffers=[q, k, table], buffer_seq_dims=[1, 1, 0]):
+        assert q.shape[1] == table.shape[0] == seq // WORLD
+        got_q, got_k = rope_ext.apply_rotary_qk(q, k, table)
     assert torch.equal(got_q, want_q[:, rows]) and torch.equal(got_k, want_k[:, rows])
 
 
