@@ -134,6 +134,10 @@ def scenario_placements(mesh):
             api_q, api_k = rope_ext.apply_rotary_qk(dq, dk, tab, positions=dpos)
             _equal(api_q, want_q, what + " api")
             _equal(api_k, want_k, what + " api")
+    # A sharded table is gathered (the rules take it replicated).
+    sharded_table = distribute_tensor(table, mesh, [Shard(0)])
+    _equal(OPS.apply_rotary(distribute_tensor(q, mesh, [Shard(2)]), sharded_table),
+           OPS.apply_rotary(q, table), "sharded table")
     # Partial(sum) stays Partial: rank 0 holds x, rank 1 zeros.
     local = q if mesh.get_local_rank() == 0 else torch.zeros_like(q)
     partial = DTensor.from_local(local, mesh, [Partial()], run_check=False)
@@ -253,6 +257,10 @@ def scenario_errors(mesh):
     other = DeviceMesh("cpu", [1, 0])
     with pytest.raises(ValueError, match="q and k must be DTensors on one device mesh"):
         rope_ext.apply_rotary_qk(dq, distribute_tensor(k, other, [Shard(1)]), table)
+    with pytest.raises(ValueError, match="apply_rotary: positions are on device mesh"):
+        rope_ext.apply_rotary(dq, table, positions=distribute_tensor(positions, other, [Shard(1)]))
+    with pytest.raises(ValueError, match="apply_rotary: freqs_cis is on device mesh"):
+        rope_ext.apply_rotary(dq, distribute_tensor(table, other, [Replicate()]))
 
 
 def scenario_compile(mesh):
