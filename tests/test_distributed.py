@@ -224,6 +224,8 @@ def scenario_backward(mesh):
         for g, w in zip(got, want):
             _equal(g, w.detach(), what)
         sum(g.square().sum() for g in got).backward()
+        for d in dleaves:  # the gradient of q and of k is sharded like q and k
+            assert list(d.grad.placements) == placements, (what, d.grad.placements)
         for d, leaf in zip([*dleaves, dtable], leaves):
             full = d.grad.full_tensor()
             torch.testing.assert_close(full, leaf.grad, atol=1e-12, rtol=1e-12,
