@@ -219,8 +219,10 @@ def apply_rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary on q and k in one kernel launch; their head counts may differ (GQA).
 
-    q and k must agree on head_dim, dim 0 (batch) and seq_dim; positions must broadcast to
-    both. With inplace=True they must not overlap each other.
+    q and k must agree on head_dim; without positions also on their rank, dim 0 (batch) and
+    seq_dim, while with positions each need only broadcast with them (seq_dim then plays no
+    part). With inplace=True they must not overlap each other. DTensor q and k: see
+    rope_ext.distributed.
     """
     table, positions = _dtensor_inputs("apply_rotary_qk_" if inplace else "apply_rotary_qk",
                                        [q, k], _real_table(freqs_cis), positions, offset,
