@@ -34,13 +34,12 @@ from torch.distributed.tensor.experimental import register_sharding
 OPS = torch.ops.rope_ext
 
 
-def _positions_placement(x_ndim: int, positions, d: int):
+def _positions_placement(x_ndim: int, positions_shape, d: int):
     """The placement positions need when x is sharded on its dim d: sharded on the dim that
-    lines up with d, replicated where they broadcast along it."""
-    if positions is None:
-        return None
-    pd = d - (x_ndim - 1 - len(positions.shape))
-    return Shard(pd) if pd >= 0 and positions.shape[pd] != 1 else Replicate()
+    lines up with d (from the right, as they broadcast), replicated where they broadcast
+    along it."""
+    pd = d - (x_ndim - 1 - len(positions_shape))
+    return Shard(pd) if pd >= 0 and positions_shape[pd] != 1 else Replicate()
 
 
 def _strategies(xs, positions, seq_dim):
@@ -58,7 +57,8 @@ def _strategies(xs, positions, seq_dim):
         if not all(0 <= e < len(x.shape) - 1 for e, x in zip(dims, xs)):
             continue
         placements = [Shard(e) for e in dims]
-        out.append((placements, placements + [Replicate(), _positions_placement(ndim, positions, d)]))
+        pos = None if positions is None else _positions_placement(ndim, positions.shape, d)
+        out.append((placements, placements + [Replicate(), pos]))
     return out
 
 
@@ -119,14 +119,8 @@ def _wrap(t: torch.Tensor, mesh, placements) -> DTensor:
 
 def _follow(x: DTensor, positions_shape) -> list:
     """Placements for positions (broadcasting to x.shape[:-1]) that match x's."""
-    out = []
-    for p in x.placements:
-        if isinstance(p, Shard):
-            pd = p.dim - (x.dim() - 1 - len(positions_shape))
-            out.append(Shard(pd) if pd >= 0 and positions_shape[pd] != 1 else Replicate())
-        else:
-            out.append(Replicate())
-    return out
+    return [_positions_placement(x.dim(), positions_shape, p.dim) if isinstance(p, Shard)
+            else Replicate() for p in x.placements]
 
 
 def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim):
