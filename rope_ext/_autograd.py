@@ -7,10 +7,9 @@ flipped. The table's gradient, when it requires one, is composed of stock torch 
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from .api import is_dtensor
 from .reference import row_positions
 
 _lib = torch.library.Library("rope_ext", "IMPL")
@@ -23,12 +22,11 @@ def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleave
     for inverse calls), summed over every row that used the table row. This matches the eager
     complex product's gradient, grad * conj(x).
     """
-    if type(grad) is not torch.Tensor and "torch.distributed.tensor" in sys.modules:
+    if is_dtensor(grad):
         from . import distributed
 
-        if isinstance(grad, distributed.DTensor):
-            return distributed.table_grad(rotary_table_grad, grad, x, freqs_cis, positions,
-                                          offset, seq_dim, interleaved, inverse)
+        return distributed.table_grad(rotary_table_grad, grad, x, freqs_cis, positions,
+                                      offset, seq_dim, interleaved, inverse)
     pairs = freqs_cis.shape[1]
     rotary_dim = 2 * pairs
     g = grad[..., :rotary_dim].to(freqs_cis.dtype)

@@ -45,9 +45,9 @@ except ImportError as error:  # not built, built for another torch, or the sourc
     LOADED = False
     LOAD_ERROR = _load_error(error)
 
-if LOADED and built_against() not in (None, torch.__version__):
+if LOADED and (_built := built_against()) not in (None, torch.__version__):
     warnings.warn(
-        f"rope_ext: compiled against torch {built_against()} but running on torch "
+        f"rope_ext: compiled against torch {_built} but running on torch "
         f"{torch.__version__}; if anything misbehaves, rebuild with `{REBUILD}`",
         RuntimeWarning, stacklevel=2)
 

@@ -32,13 +32,18 @@ def _functional(op, tensors, *args):
         return op(*args)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor; costs nothing where DTensor was never imported."""
+    if type(t) is torch.Tensor:
+        return False
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
 def _dtensor_inputs(op, xs, table, positions, offset, seq_dim):
     """table, positions for a call whose inputs may be DTensors (rope_ext.distributed): as
-    given for plain tensors; the check costs nothing where DTensor was never imported."""
-    if type(xs[0]) is torch.Tensor:
-        return table, positions
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None or not isinstance(xs[0], dtensor.DTensor):
+    given for plain tensors."""
+    if not is_dtensor(xs[0]):
         return table, positions
     from . import distributed
 
