@@ -261,23 +261,18 @@ def _modeling_modules(all_families: bool) -> list[str]:
     return sorted(names)
 
 
-def _rope_functions(module) -> dict[str, object]:
-    """The module's own public top-level functions whose name says rotary or rope (private
-    helpers such as gpt-oss's _apply_rotary_emb are reached through them)."""
-    return {name: fn for name, fn in vars(module).items()
-            if ("rotary" in name or "rope" in name) and not name.startswith("_")
-            and inspect.isfunction(
-                _original(module.__name__, name, fn))
-            and getattr(_original(module.__name__, name, fn), "__module__", None) == module.__name__}
-
-
-def _classify(module) -> dict[str, Variant | None]:
-    """Each RoPE function of the module: its variant, or None where rope_ext has none."""
+def _rope_functions(module) -> dict[str, tuple[object, tuple | None]]:
+    """The module's own public top-level functions whose name says rotary or rope, as
+    transformers wrote them (whether or not enable() swapped them), each with its (variant,
+    drop-in), or None where rope_ext has none. Private helpers such as gpt-oss's
+    _apply_rotary_emb are reached through the public ones."""
     known = _known_variants()
     out = {}
-    for name, fn in _rope_functions(module).items():
-        entry = known.get(_fingerprint(_original(module.__name__, name, fn), vars(module)))
-        out[name] = entry[0] if entry else None
+    for name, current in list(vars(module).items()):
+        fn = _original(module.__name__, name, current)
+        if (("rotary" in name or "rope" in name) and not name.startswith("_")
+                and inspect.isfunction(fn) and fn.__module__ == module.__name__):
+            out[name] = (fn, known.get(_fingerprint(fn, vars(module))))
     return out
 
 
@@ -289,17 +284,13 @@ def enable(all_families: bool = False) -> list[str]:
     drop-in. transformers 5 marks some of these functions for its kernels hub, which only
     loads hub repositories, so the module attribute the attention layers call is swapped.
     """
-    known = _known_variants()
     for name in _modeling_modules(all_families):
         try:
             module = importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a family whose optional dependencies are missing
             continue
-        for fn_name, fn in _rope_functions(module).items():
-            if (name, fn_name) in _patched:
-                continue
-            entry = known.get(_fingerprint(fn, vars(module)))
-            if entry is not None:
+        for fn_name, (fn, entry) in _rope_functions(module).items():
+            if entry is not None and (name, fn_name) not in _patched:
                 _patched[(name, fn_name)] = fn
                 setattr(module, fn_name, entry[1])
     return sorted({module for module, _ in _patched})
@@ -329,7 +320,8 @@ def coverage() -> dict:
                 f"transformers.models.{info.name}.modeling_{info.name}")
         except Exception:  # noqa: BLE001 - missing optional dependencies, or no modeling file
             continue
-        functions = {n: (v.name if v else None) for n, v in _classify(module).items()}
+        functions = {n: entry and entry[0].name
+                     for n, (_, entry) in _rope_functions(module).items()}
         if functions:
             report[module.__name__] = functions
     return report
