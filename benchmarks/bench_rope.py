@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from rope_ext import _native, benchmark
+from rope_ext import benchmark
 from rope_ext.benchmark import Case
 
 SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim")
@@ -136,10 +135,9 @@ def main() -> int:
                                       min_run_time=args.min_run_time)
         progress.step(case.label())
 
-    info = _native.build_info()
     header = [
-        f"rope_ext benchmark: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"CPU kernel {info.get('cpu_kernel', 'none')}, {args.threads} CPU threads"
+        f"rope_ext benchmark: torch {torch.__version__}, {benchmark.cpu_description()}, "
+        f"{args.threads} CPU threads"
         + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else ""),
         "Command: python benchmarks/bench_rope.py " + " ".join(sys.argv[1:]),
         "Not measured (not importable here): " + ", ".join(

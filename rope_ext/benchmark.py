@@ -11,12 +11,37 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import platform
 import statistics
 from typing import Callable
 
 import torch
 
-from . import api, reference
+from . import _native, api, reference
+
+
+def cpu_description() -> str:
+    """The processor's model name and widest vector ISA, and the rope_ext CPU kernel that ran
+    (said to be forced when ROPE_EXT_CPU_KERNEL chose it): every CPU table names all three."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = next((name for flag, name in (("avx512_bf16", "AVX-512 with BF16"),
+                                        ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                if flag in flags), "no AVX2")
+    kernel = _native.build_info().get("cpu_kernel", "none")
+    forced = " (forced by ROPE_EXT_CPU_KERNEL)" if os.environ.get("ROPE_EXT_CPU_KERNEL") else ""
+    return f"{model} ({isa}), CPU kernel {kernel}{forced}"
 
 
 @dataclasses.dataclass(frozen=True)
