@@ -43,7 +43,7 @@ inline void rotate(const Backend& b, const char* op, const at::Tensor& x, const 
   RotaryParams p = make_params(table, positions, offset, interleaved, inverse);
   add_operand(op, p, x, out, positions, seq_dim);
   if (p.num_operands > 0) {
-    b.launch(p, x.scalar_type(), table.scalar_type(), x.device());
+    b.launch(p, x.scalar_type(), c10::toRealValueType(table.scalar_type()), x.device());
   }
 }
 
@@ -56,7 +56,7 @@ inline void rotate_qk(const Backend& b, const char* op, const at::Tensor& q,
     add_operand(op, p, q, q_out, positions, seq_dim);
     add_operand(op, p, k, k_out, positions, seq_dim);
     if (p.num_operands > 0) {
-      b.launch(p, q.scalar_type(), table.scalar_type(), q.device());
+      b.launch(p, q.scalar_type(), c10::toRealValueType(table.scalar_type()), q.device());
     }
     return;
   }

@@ -12,13 +12,22 @@ bool is_supported_x_dtype(at::ScalarType t) {
 }
 
 void check_table(const char* op, const at::Tensor& table) {
-  TORCH_CHECK_TYPE(
-      table.scalar_type() == at::kFloat || table.scalar_type() == at::kDouble,
-      op, ": freqs_cis must be float32 or float64 (the real view [P, R/2, 2] of the complex "
-      "table), got ", table.scalar_type());
-  TORCH_CHECK_VALUE(
-      table.dim() == 3 && table.size(2) == 2,
-      op, ": freqs_cis must have shape [P, R/2, 2] holding (cos, sin), got ", table.sizes());
+  if (table.is_complex()) {
+    TORCH_CHECK_TYPE(
+        table.scalar_type() == at::kComplexFloat || table.scalar_type() == at::kComplexDouble,
+        op, ": freqs_cis must be complex64 or complex128 [P, R/2] (or its real view, float32 "
+        "or float64 [P, R/2, 2]), got ", table.scalar_type());
+    TORCH_CHECK_VALUE(table.dim() == 2, op, ": complex freqs_cis must have shape [P, R/2], got ",
+                      table.sizes());
+  } else {
+    TORCH_CHECK_TYPE(
+        table.scalar_type() == at::kFloat || table.scalar_type() == at::kDouble,
+        op, ": freqs_cis must be float32 or float64 (the real view [P, R/2, 2] of the complex "
+        "table) or complex64 or complex128 [P, R/2], got ", table.scalar_type());
+    TORCH_CHECK_VALUE(
+        table.dim() == 3 && table.size(2) == 2,
+        op, ": freqs_cis must have shape [P, R/2, 2] holding (cos, sin), got ", table.sizes());
+  }
   TORCH_CHECK_VALUE(
       table.size(1) > 0, op, ": freqs_cis must hold at least one rotary pair, got shape ",
       table.sizes());
@@ -150,9 +159,12 @@ RotaryParams make_params(
   p.table = table.data_ptr();
   p.table_rows = table.size(0);
   p.rot_pairs = table.size(1);
-  p.table_row_stride = table.stride(0);
-  p.table_pair_stride = table.stride(1);
-  p.table_cs_stride = table.stride(2);
+  // A complex table is read through its real view: strides in real elements, cos and sin
+  // side by side (no view tensor is made: at::view_as_real costs a dispatch per call).
+  const int64_t scale = table.is_complex() ? 2 : 1;
+  p.table_row_stride = scale * table.stride(0);
+  p.table_pair_stride = scale * table.stride(1);
+  p.table_cs_stride = table.is_complex() ? 1 : table.stride(2);
   p.positions = positions.has_value() ? positions->data_ptr() : nullptr;
   p.positions_int64 = positions.has_value() && positions->scalar_type() == at::kLong;
   p.offset = offset;

@@ -27,6 +27,10 @@ def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleave
 
         return distributed.table_grad(rotary_table_grad, grad, x, freqs_cis, positions,
                                       offset, seq_dim, interleaved, inverse)
+    if freqs_cis.is_complex():  # the gradient of the real view, as a complex tensor
+        real = rotary_table_grad(grad, x, torch.view_as_real(freqs_cis), positions, offset,
+                                 seq_dim, interleaved, inverse)
+        return torch.view_as_complex(real)
     pairs = freqs_cis.shape[1]
     rotary_dim = 2 * pairs
     g = grad[..., :rotary_dim].to(freqs_cis.dtype)

@@ -61,18 +61,32 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_table(op: str, table: torch.Tensor) -> None:
-    _check(
-        TypeError,
-        table.dtype in TABLE_DTYPES,
-        lambda: f"{op}: freqs_cis must be float32 or float64 (the real view [P, R/2, 2] of "
-        f"the complex table), got {dtype_name(table.dtype)}",
-    )
-    _check(
-        ValueError,
-        table.dim() == 3 and table.shape[2] == 2,
-        lambda: f"{op}: freqs_cis must have shape [P, R/2, 2] holding (cos, sin), "
-        f"got {list(table.shape)}",
-    )
+    if table.is_complex():
+        _check(
+            TypeError,
+            table.dtype in (torch.complex64, torch.complex128),
+            lambda: f"{op}: freqs_cis must be complex64 or complex128 [P, R/2] (or its real "
+            f"view, float32 or float64 [P, R/2, 2]), got {dtype_name(table.dtype)}",
+        )
+        _check(
+            ValueError,
+            table.dim() == 2,
+            lambda: f"{op}: complex freqs_cis must have shape [P, R/2], got {list(table.shape)}",
+        )
+    else:
+        _check(
+            TypeError,
+            table.dtype in TABLE_DTYPES,
+            lambda: f"{op}: freqs_cis must be float32 or float64 (the real view [P, R/2, 2] of "
+            f"the complex table) or complex64 or complex128 [P, R/2], got "
+            f"{dtype_name(table.dtype)}",
+        )
+        _check(
+            ValueError,
+            table.dim() == 3 and table.shape[2] == 2,
+            lambda: f"{op}: freqs_cis must have shape [P, R/2, 2] holding (cos, sin), "
+            f"got {list(table.shape)}",
+        )
     _check(
         ValueError,
         table.shape[1] > 0,

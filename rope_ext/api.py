@@ -11,8 +11,18 @@ from . import _checks, _native, reference
 
 
 def _real_table(freqs_cis: torch.Tensor) -> torch.Tensor:
-    """The ops take the real view [P, R/2, 2] (cos, sin) of the complex table."""
+    """The real view [P, R/2, 2] (cos, sin) of a complex table."""
     return torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis
+
+
+def _table_arg(freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The table as the ops get it: as given in eager mode (the ops read a complex table
+    through its real view themselves; a Python view_as_real costs ~1 us a call), the real view
+    under torch.compile (Inductor cannot reinplace a mutating custom op with a complex input:
+    "auto_functionalized_v2 was not removed")."""
+    if freqs_cis.is_complex() and torch.compiler.is_compiling():
+        return torch.view_as_real(freqs_cis)
+    return freqs_cis
 
 
 def _any_requires_grad(tensors) -> bool:
@@ -47,7 +57,7 @@ def _dtensor_inputs(op, xs, table, positions, offset, seq_dim):
         return table, positions
     from . import distributed
 
-    return distributed.prepare(op, xs, table, positions, offset, seq_dim)
+    return distributed.prepare(op, xs, _real_table(table), positions, offset, seq_dim)
 
 
 def native_available() -> bool:
@@ -194,7 +204,7 @@ def apply_rotary(
         inplace: write into x and return it.
     """
     table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
-                                       _real_table(freqs_cis), positions, offset, seq_dim)
+                                       _table_arg(freqs_cis), positions, offset, seq_dim)
     if _native.serves(x):
         args = (table, positions, offset, seq_dim, interleaved, inverse)
         if inplace:
@@ -230,7 +240,7 @@ def apply_rotary_qk(
     rope_ext.distributed.
     """
     table, positions = _dtensor_inputs("apply_rotary_qk_" if inplace else "apply_rotary_qk",
-                                       [q, k], _real_table(freqs_cis), positions, offset,
+                                       [q, k], _table_arg(freqs_cis), positions, offset,
                                        seq_dim)
     if _native.serves(q):
         args = (table, positions, offset, seq_dim, interleaved, inverse)

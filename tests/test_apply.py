@@ -164,6 +164,26 @@ def test_float64_table_and_strided_table(device):
     assert_matches_reference(rope_ext.apply_rotary(x, strided), reference_of(x, strided))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ops_take_the_complex_table(device, dtype):
+    # The ops read a complex table through its real view themselves (strided too); results,
+    # in place and out, are those of the real view, bit for bit.
+    x = torch.randn(2, 9, 3, 16, device=device, dtype=torch.bfloat16)
+    k = torch.randn(2, 9, 1, 16, device=device, dtype=torch.bfloat16)
+    table = rope_ext.precompute_freqs_cis(16, 40, device=device, dtype=dtype)[::2]
+    real = torch.view_as_real(table)
+    ops = torch.ops.rope_ext
+    args = (None, 3, 1, False, False)
+    torch.testing.assert_close(ops.apply_rotary(x, table, *args),
+                               ops.apply_rotary(x, real, *args), rtol=0, atol=0)
+    for got, want in zip(ops.apply_rotary_qk(x, k, table, *args),
+                         ops.apply_rotary_qk(x, k, real, *args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    y = x.clone()
+    ops.apply_rotary_(y, table, *args)
+    torch.testing.assert_close(y, ops.apply_rotary(x, real, *args), rtol=0, atol=0)
+
+
 def test_inverse_undoes_rotation(device):
     x = torch.randn(3, 20, 4, 64, device=device)
     table = rope_ext.precompute_freqs_cis(64, 20, device=device)

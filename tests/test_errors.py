@@ -33,7 +33,16 @@ APPLY_CASES = [
      "apply_rotary: freqs_cis must hold at least one rotary pair, got shape [8, 0, 2]"),
     ("table dtype", "apply_rotary", (x_(1, 4, 16), T.half()), {}, TypeError,
      "apply_rotary: freqs_cis must be float32 or float64 (the real view [P, R/2, 2] of the "
-     "complex table), got Half"),
+     "complex table) or complex64 or complex128 [P, R/2], got Half"),
+    ("complex table dtype", "apply_rotary",
+     (x_(1, 4, 16), torch.zeros(8, 8, dtype=torch.complex32)), {}, TypeError,
+     "apply_rotary: freqs_cis must be complex64 or complex128 [P, R/2] (or its real view, "
+     "float32 or float64 [P, R/2, 2]), got ComplexHalf"),
+    ("complex table rank", "apply_rotary", (x_(1, 4, 16), torch.view_as_complex(T)[None]), {},
+     ValueError, "apply_rotary: complex freqs_cis must have shape [P, R/2], got [1, 8, 8]"),
+    ("empty complex table pairs", "apply_rotary",
+     (x_(1, 4, 16), torch.zeros(8, 0, dtype=torch.complex64)), {}, ValueError,
+     "apply_rotary: freqs_cis must hold at least one rotary pair, got shape [8, 0]"),
     ("rotary dim too large", "apply_rotary", (x_(1, 4, 12), T), {}, ValueError,
      "apply_rotary: rotary dim 2 * freqs_cis.shape[1] = 16 exceeds x's head_dim 12"),
     ("odd head_dim too small", "apply_rotary", (x_(1, 4, 15), T), {}, ValueError,
