@@ -1,8 +1,7 @@
-"""Autograd of the functional ops, and the table-gradient op both they and the in-place ops'
-C++ autograd (csrc/rope_autograd.cpp) call.
+"""The table-gradient op that the ops' C++ autograd (csrc/rope_autograd.cpp) calls.
 
 d/dx of a rotation is the inverse rotation, so grad_x is the native op with `inverse`
-flipped. The table's gradient, when it requires one, is composed of stock torch ops.
+flipped (in C++). The table's gradient, when it requires one, is composed of stock torch ops.
 """
 
 from __future__ import annotations
@@ -52,50 +51,3 @@ def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleave
 
 
 _lib.impl("rotary_table_grad", rotary_table_grad, "CompositeImplicitAutograd")
-
-
-def _setup_context(ctx, inputs, output):
-    *tensors, table, positions, offset, seq_dim, interleaved, inverse = inputs
-    ctx.args = (offset, seq_dim, interleaved, inverse)
-    table_grad = ctx.needs_input_grad[len(tensors)]
-    ctx.save_for_backward(table, positions, *(t if table_grad else None for t in tensors))
-
-
-def _grads(ctx, grads):
-    """grad of each rotated tensor, then of the table."""
-    table, positions, *inputs = ctx.saved_tensors
-    offset, seq_dim, interleaved, inverse = ctx.args
-    tensor_grads, table_grad = [], None
-    for i, (grad, x) in enumerate(zip(grads, inputs)):
-        if grad is None:
-            tensor_grads.append(None)
-            continue
-        tensor_grads.append(
-            torch.ops.rope_ext.apply_rotary.default(
-                grad, table, positions, offset, seq_dim, interleaved, not inverse
-            )
-            if ctx.needs_input_grad[i]
-            else None
-        )
-        if x is not None:
-            part = torch.ops.rope_ext.rotary_table_grad.default(
-                grad, x, table, positions, offset, seq_dim, interleaved, inverse
-            )
-            table_grad = part if table_grad is None else table_grad + part
-    return (*tensor_grads, table_grad, None, None, None, None, None)
-
-
-def _backward_apply(ctx, grad):
-    return _grads(ctx, [grad])
-
-
-def _backward_apply_qk(ctx, grad_q, grad_k):
-    return _grads(ctx, [grad_q, grad_k])
-
-
-torch.library.register_autograd(
-    "rope_ext::apply_rotary", _backward_apply, setup_context=_setup_context
-)
-torch.library.register_autograd(
-    "rope_ext::apply_rotary_qk", _backward_apply_qk, setup_context=_setup_context
-)

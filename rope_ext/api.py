@@ -25,23 +25,6 @@ def _table_arg(freqs_cis: torch.Tensor) -> torch.Tensor:
     return freqs_cis
 
 
-def _any_requires_grad(tensors) -> bool:
-    for t in tensors:
-        if t.requires_grad:
-            return True
-    return False
-
-
-def _functional(op, tensors, *args):
-    """op(*args). An eager call that no gradient can flow through skips the Python autograd
-    layer torch.library.register_autograd installs (~7 us a call, most of a decode step's
-    budget); traced and differentiable calls go through it."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _any_requires_grad(tensors)):
-        return op(*args)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
-
-
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether t is a DTensor; costs nothing where DTensor was never imported."""
     if type(t) is torch.Tensor:
@@ -210,7 +193,7 @@ def apply_rotary(
         if inplace:
             torch.ops.rope_ext.apply_rotary_.default(x, *args)
             return x
-        return _functional(torch.ops.rope_ext.apply_rotary.default, (x, table), x, *args)
+        return torch.ops.rope_ext.apply_rotary.default(x, *args)
     op = "apply_rotary_" if inplace else "apply_rotary"
     _fallback_checks(op, (x,), ("x",), table, positions, offset, seq_dim, inplace)
     _native.warn_fallback(x.device)
@@ -247,8 +230,7 @@ def apply_rotary_qk(
         if inplace:
             torch.ops.rope_ext.apply_rotary_qk_.default(q, k, *args)
             return q, k
-        return _functional(torch.ops.rope_ext.apply_rotary_qk.default, (q, k, table), q, k,
-                           *args)
+        return torch.ops.rope_ext.apply_rotary_qk.default(q, k, *args)
     op = "apply_rotary_qk_" if inplace else "apply_rotary_qk"
     _fallback_checks(op, (q, k), ("q", "k"), table, positions, offset, seq_dim, inplace)
     _native.warn_fallback(q.device)
