@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <sstream>
+#include <string>
 
 namespace rope_ext {
 namespace {
@@ -111,6 +113,121 @@ void check_qk_pair(const char* op, const at::Tensor& q, const at::Tensor& k, int
   }
 }
 
+namespace {
+
+// Where a strided tensor's elements lie, in bytes from its first element: its dims of size > 1,
+// largest stride first, and the width of one element.
+struct Layout {
+  int n = 0;
+  int64_t sizes[kMaxDims + 1] = {};
+  int64_t strides[kMaxDims + 1] = {};
+  int64_t width = 0;
+  int64_t spans[kMaxDims + 2] = {};  // spans[d]: bytes covered by one block of dims d..n-1
+
+  explicit Layout(const at::Tensor& t) : width(t.element_size()) {
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      // A stride-0 dim repeats the same elements: for where they lie, it is a dim of size 1
+      // (check_inplace_target refuses it on its own).
+      if (t.size(d) > 1 && t.stride(d) != 0) {
+        sizes[n] = t.size(d);
+        strides[n] = t.stride(d) * width;
+        ++n;
+      }
+    }
+    for (int i = 1; i < n; ++i) {  // insertion sort, largest stride first
+      for (int j = i; j > 0 && strides[j] > strides[j - 1]; --j) {
+        std::swap(strides[j], strides[j - 1]);
+        std::swap(sizes[j], sizes[j - 1]);
+      }
+    }
+    spans[n] = width;
+    for (int d = n - 1; d >= 0; --d) {
+      spans[d] = spans[d + 1] + (sizes[d] - 1) * strides[d];
+    }
+  }
+};
+
+int64_t floor_div(int64_t a, int64_t b) {
+  return a / b - (a % b != 0 && (a < 0) != (b < 0));
+}
+
+// Whether an element of a (dims da..) and one of b (dims db..), b's first element `delta`
+// bytes after a's, share a byte. Each call costs one unit of `budget`; an exhausted budget
+// answers true (not proven disjoint). Dims with equal strides are taken together: the pair of
+// blocks (i, j) only matters through j - i, so the blocks of a whole prefill are one question.
+bool may_overlap(const Layout& a, int da, const Layout& b, int db, int64_t delta,
+                 int64_t& budget) {
+  if (--budget < 0) {
+    return true;
+  }
+  if (delta >= a.spans[da] || -delta >= b.spans[db]) {
+    return false;  // their extents do not meet
+  }
+  if (da == a.n && db == b.n) {
+    return true;
+  }
+  const int64_t sa = da < a.n ? a.strides[da] : -1;
+  const int64_t sb = db < b.n ? b.strides[db] : -1;
+  if (sa == sb && sa > 0) {
+    // Block i of a against block j of b: b's block starts delta + (j - i) * s after a's.
+    const int64_t lo = std::max(-(a.sizes[da] - 1), floor_div(-b.spans[db + 1] - delta, sa) + 1);
+    const int64_t hi = std::min(b.sizes[db] - 1, floor_div(a.spans[da + 1] - delta - 1, sa));
+    for (int64_t t = lo; t <= hi; ++t) {
+      if (may_overlap(a, da + 1, b, db + 1, delta + t * sa, budget)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  if (sa > sb) {  // split a's outermost dim; its block i lies i * sa after a's first element
+    const int64_t lo = std::max<int64_t>(0, floor_div(delta - a.spans[da + 1], sa) + 1);
+    const int64_t hi = std::min(a.sizes[da] - 1, floor_div(delta + b.spans[db] - 1, sa));
+    for (int64_t i = lo; i <= hi; ++i) {
+      if (may_overlap(a, da + 1, b, db, delta - i * sa, budget)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  const int64_t lo = std::max<int64_t>(0, floor_div(-b.spans[db + 1] - delta, sb) + 1);
+  const int64_t hi = std::min(b.sizes[db] - 1, floor_div(a.spans[da] - delta - 1, sb));
+  for (int64_t j = lo; j <= hi; ++j) {
+    if (may_overlap(a, da, b, db + 1, delta + j * sb, budget)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether two distinct elements of a (dims d..) share a byte.
+bool internal_overlap(const Layout& a, int d, int64_t& budget) {
+  if (d == a.n) {
+    return false;
+  }
+  if (internal_overlap(a, d + 1, budget)) {
+    return true;
+  }
+  // Blocks i and i + t of dim d; none meet when the stride clears a block's span.
+  for (int64_t t = 1; t < a.sizes[d] && t * a.strides[d] < a.spans[d + 1]; ++t) {
+    if (may_overlap(a, d + 1, a, d + 1, t * a.strides[d], budget)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Work allowed for one overlap question before it is answered "cannot prove" (a few ms at
+// worst; views of real models take tens of steps).
+constexpr int64_t kOverlapBudget = 100000;
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << "sizes " << t.sizes() << ", strides " << t.strides();
+  return out.str();
+}
+
+}  // namespace
+
 void check_inplace_target(const char* op, const char* name, const at::Tensor& x) {
   for (int64_t d = 0; d < x.dim(); ++d) {
     TORCH_CHECK_VALUE(
@@ -118,16 +235,30 @@ void check_inplace_target(const char* op, const char* name, const at::Tensor& x)
         " of size ", x.size(d), " has stride 0, e.g. from expand); an in-place call needs "
         "distinct elements, use the out-of-place op");
   }
+  if (x.numel() == 0) {
+    return;
+  }
+  int64_t budget = kOverlapBudget;
+  const bool overlap = internal_overlap(Layout(x), 0, budget);
+  TORCH_CHECK_VALUE(budget >= 0, op, ": cannot prove that the elements of ", name,
+                    " are distinct (", describe(x), "); an in-place call needs that: make it "
+                    "contiguous or use the out-of-place op");
+  TORCH_CHECK_VALUE(!overlap, op, ": ", name, " has overlapping memory (", describe(x),
+                    ": two of its elements share memory); an in-place call needs distinct "
+                    "elements, use the out-of-place op");
 }
 
 void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k) {
-  if (q.numel() == 0 || k.numel() == 0 || !q.is_alias_of(k) ||
-      !q.is_non_overlapping_and_dense() || !k.is_non_overlapping_and_dense()) {
+  if (q.numel() == 0 || k.numel() == 0 || !q.is_alias_of(k)) {
     return;
   }
-  const int64_t q_begin = q.storage_offset();
-  const int64_t k_begin = k.storage_offset();
-  const bool overlap = q_begin < k_begin + k.numel() && k_begin < q_begin + q.numel();
+  const int64_t delta =
+      k.storage_offset() * k.element_size() - q.storage_offset() * q.element_size();
+  int64_t budget = kOverlapBudget;
+  const bool overlap = may_overlap(Layout(q), 0, Layout(k), 0, delta, budget);
+  TORCH_CHECK_VALUE(budget >= 0, op, ": cannot prove that q and k are disjoint in memory (q: ",
+                    describe(q), "; k: ", describe(k), "); an in-place call needs that: make "
+                    "them contiguous or use the out-of-place op");
   TORCH_CHECK_VALUE(
       !overlap, op, ": q and k overlap in memory; an in-place call needs them disjoint");
 }

@@ -209,28 +209,127 @@ def check_qk_args(op, q, k, table, positions, offset, seq_dim) -> int:
     return sd
 
 
+# Overlap questions answered "cannot prove" after this many steps (csrc/rope_checks.cpp).
+_OVERLAP_BUDGET = 100000
+
+
+class _Layout:
+    """Where a strided tensor's elements lie, in bytes from its first element: its dims of
+    size > 1 and nonzero stride, largest stride first (csrc/rope_checks.cpp's Layout)."""
+
+    def __init__(self, t: torch.Tensor):
+        width = t.element_size()
+        dims = sorted(((t.stride(d) * width, t.shape[d]) for d in range(t.dim())
+                       if t.shape[d] > 1 and t.stride(d) != 0), reverse=True)
+        self.n = len(dims)
+        self.strides = [s for s, _ in dims]
+        self.sizes = [n for _, n in dims]
+        self.spans = [0] * self.n + [width]
+        for d in range(self.n - 1, -1, -1):
+            self.spans[d] = self.spans[d + 1] + (self.sizes[d] - 1) * self.strides[d]
+
+
+def _may_overlap(a: _Layout, da: int, b: _Layout, db: int, delta: int, budget: list) -> bool:
+    """Whether an element of a (dims da..) and one of b (dims db..), b's first element delta
+    bytes after a's, share a byte; True once the budget is spent (see the C++ twin)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return True
+    if delta >= a.spans[da] or -delta >= b.spans[db]:
+        return False
+    if da == a.n and db == b.n:
+        return True
+    sa = a.strides[da] if da < a.n else -1
+    sb = b.strides[db] if db < b.n else -1
+    if sa == sb and sa > 0:
+        lo = max(-(a.sizes[da] - 1), (-b.spans[db + 1] - delta) // sa + 1)
+        hi = min(b.sizes[db] - 1, (a.spans[da + 1] - delta - 1) // sa)
+        return any(_may_overlap(a, da + 1, b, db + 1, delta + t * sa, budget)
+                   for t in range(lo, hi + 1))
+    if sa > sb:
+        lo = max(0, (delta - a.spans[da + 1]) // sa + 1)
+        hi = min(a.sizes[da] - 1, (delta + b.spans[db] - 1) // sa)
+        return any(_may_overlap(a, da + 1, b, db, delta - i * sa, budget)
+                   for i in range(lo, hi + 1))
+    lo = max(0, (-b.spans[db + 1] - delta) // sb + 1)
+    hi = min(b.sizes[db] - 1, (a.spans[da] - delta - 1) // sb)
+    return any(_may_overlap(a, da, b, db + 1, delta + j * sb, budget)
+               for j in range(lo, hi + 1))
+
+
+def _internal_overlap(a: _Layout, d: int, budget: list) -> bool:
+    if d == a.n:
+        return False
+    if _internal_overlap(a, d + 1, budget):
+        return True
+    t = 1
+    while t < a.sizes[d] and t * a.strides[d] < a.spans[d + 1]:
+        if _may_overlap(a, d + 1, a, d + 1, t * a.strides[d], budget):
+            return True
+        t += 1
+    return False
+
+
+def _concrete(*tensors: torch.Tensor) -> bool:
+    """Whether the layouts are plain ints (not symbolic sizes of a dynamic-shape trace, where
+    the exact overlap questions are left to the op at run time)."""
+    return all(isinstance(v, int) for t in tensors
+               for v in (*t.shape, *t.stride(), t.storage_offset()))
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"sizes {list(t.shape)}, strides {list(t.stride())}"
+
+
 def check_inplace_target(op: str, name: str, x: torch.Tensor) -> None:
     for d in range(x.dim()):
         _check(
-        ValueError,
+            ValueError,
             x.stride(d) != 0 or x.shape[d] <= 1,
             lambda d=d: f"{op}: {name} has overlapping memory (dim {d} of size {x.shape[d]} has "
             "stride 0, e.g. from expand); an in-place call needs distinct elements, use the "
             "out-of-place op",
         )
+    if x.numel() == 0 or not _concrete(x):
+        return
+    budget = [_OVERLAP_BUDGET]
+    overlap = _internal_overlap(_Layout(x), 0, budget)
+    _check(
+        ValueError,
+        budget[0] >= 0,
+        lambda: f"{op}: cannot prove that the elements of {name} are distinct ({_describe(x)}); "
+        "an in-place call needs that: make it contiguous or use the out-of-place op",
+    )
+    _check(
+        ValueError,
+        not overlap,
+        lambda: f"{op}: {name} has overlapping memory ({_describe(x)}: two of its elements "
+        "share memory); an in-place call needs distinct elements, use the out-of-place op",
+    )
 
 
 def check_qk_disjoint(op: str, q: torch.Tensor, k: torch.Tensor) -> None:
-    if (
-        q.numel() == 0
-        or k.numel() == 0
-        or not torch._C._is_alias_of(q, k)
-        or not _dense(q)
-        or not _dense(k)
-    ):
+    if q.numel() == 0 or k.numel() == 0 or not torch._C._is_alias_of(q, k):
         return
-    q_begin, k_begin = q.storage_offset(), k.storage_offset()
-    overlap = q_begin < k_begin + k.numel() and k_begin < q_begin + q.numel()
+    if not _concrete(q, k):  # a dynamic-shape trace: the dense case, the op checks the rest
+        if _dense(q) and _dense(k):
+            q_begin, k_begin = q.storage_offset(), k.storage_offset()
+            _check(
+                ValueError,
+                not (q_begin < k_begin + k.numel() and k_begin < q_begin + q.numel()),
+                lambda: f"{op}: q and k overlap in memory; an in-place call needs them disjoint",
+            )
+        return
+    delta = k.storage_offset() * k.element_size() - q.storage_offset() * q.element_size()
+    budget = [_OVERLAP_BUDGET]
+    overlap = _may_overlap(_Layout(q), 0, _Layout(k), 0, delta, budget)
+    _check(
+        ValueError,
+        budget[0] >= 0,
+        lambda: f"{op}: cannot prove that q and k are disjoint in memory (q: {_describe(q)}; "
+        f"k: {_describe(k)}); an in-place call needs that: make them contiguous or use the "
+        "out-of-place op",
+    )
     _check(
         ValueError,
         not overlap,

@@ -1,0 +1,142 @@
+"""In-place calls refuse x whose elements share memory and q, k that share memory, for any
+strides, before writing anything; every layout they accept is rotated exactly as a copy of it
+would be. Random layouts (views made with as_strided over one buffer) are judged against the
+elements' offsets enumerated one by one, through the native op, the fake kernel and the
+Python checks the fallback runs.
+"""
+
+import itertools
+import re
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import rope_ext
+from rope_ext import _checks
+
+D = 4  # head_dim: two pairs, so that small buffers hold many layouts
+T = torch.view_as_real(rope_ext.precompute_freqs_cis(D, 8))
+OVERLAP = re.compile(r"has overlapping memory|q and k overlap in memory")
+
+
+def offsets(t: torch.Tensor) -> list[int]:
+    """Every element's offset into the storage, index by index."""
+    return [t.storage_offset() + sum(i * s for i, s in zip(index, t.stride()))
+            for index in itertools.product(*map(range, t.shape))]
+
+
+def random_view(buffer: torch.Tensor, gen: torch.Generator,
+                like: torch.Tensor | None = None) -> torch.Tensor:
+    """A view [rows..., D] of buffer with random sizes, strides (0 excluded) and offset; with
+    `like`, as many dims and the same dim 0 (q and k agree on batch and seq_dim 0)."""
+    ndim = like.dim() - 1 if like is not None else int(torch.randint(1, 4, (), generator=gen))
+    sizes = [int(torch.randint(1, 4, (), generator=gen)) for _ in range(ndim)] + [D]
+    if like is not None:
+        sizes[0] = like.shape[0]
+    strides = [int(torch.randint(1, 13, (), generator=gen)) for _ in range(ndim + 1)]
+    if torch.rand((), generator=gen) < 0.5:
+        strides[-1] = 1  # contiguous features, the common case
+    extent = sum((n - 1) * s for n, s in zip(sizes, strides)) + 1
+    offset = int(torch.randint(0, buffer.numel() - extent + 1, (), generator=gen))
+    return buffer.as_strided(sizes, strides, offset)
+
+
+def rotated_by_copies(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.ops.rope_ext.apply_rotary(v.contiguous(), T, None, 0, 0, True, False)
+            for v in views]
+
+
+def check_in_every_path(op: str, views: list[torch.Tensor], overlapping: bool) -> None:
+    """The native op, the fake kernel and the fallback's checks agree with `overlapping`; an
+    accepted call rotates like copies, a refused one leaves the buffer as it was."""
+    buffer = views[0]._base
+    before = buffer.clone()
+    expected = rotated_by_copies(views)
+    native = getattr(torch.ops.rope_ext, op)
+    if overlapping:
+        with pytest.raises(ValueError, match=OVERLAP):
+            native(*views, T, None, 0, 0, True, False)
+        torch.testing.assert_close(buffer, before, rtol=0, atol=0)
+    else:
+        native(*views, T, None, 0, 0, True, False)
+        for got, want in zip(views, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(v) for v in views]
+        if overlapping:
+            with pytest.raises(ValueError, match=OVERLAP):
+                native(*fake, mode.from_tensor(T), None, 0, 0, True, False)
+        else:
+            native(*fake, mode.from_tensor(T), None, 0, 0, True, False)
+    names = ("q", "k") if len(views) == 2 else ("x",)
+    with pytest.raises(ValueError, match=OVERLAP) if overlapping else _no_error():
+        for name, v in zip(names, views):
+            _checks.check_inplace_target(op, name, v)
+        if len(views) == 2:
+            _checks.check_qk_disjoint(op, *views)
+
+
+class _no_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_internal_overlap_matches_enumeration():
+    gen = torch.Generator().manual_seed(0)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        buffer = torch.randn(160)
+        x = random_view(buffer, gen)
+        where = offsets(x)
+        overlapping = len(set(where)) < len(where)
+        seen[overlapping] += 1
+        check_in_every_path("apply_rotary_", [x], overlapping)
+    assert min(seen.values()) > 50, seen  # both answers drawn often
+
+
+def test_qk_overlap_matches_enumeration():
+    gen = torch.Generator().manual_seed(1)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        buffer = torch.randn(160)
+        q = random_view(buffer, gen)
+        k = random_view(buffer, gen, like=q)
+        q_at, k_at = offsets(q), offsets(k)
+        if len(set(q_at)) < len(q_at) or len(set(k_at)) < len(k_at):
+            continue  # internal overlap: the test above
+        overlapping = bool(set(q_at) & set(k_at))
+        seen[overlapping] += 1
+        check_in_every_path("apply_rotary_qk_", [q, k], overlapping)
+    assert min(seen.values()) > 30, seen
+
+
+def test_fused_qkv_views_and_transposes_are_disjoint():
+    # The layouts real models pass: q, k, v views of one projection, HF's transposed views.
+    qkv = torch.randn(2, 16, (8 + 2 + 2) * D)
+    q = qkv[..., : 8 * D].view(2, 16, 8, D)
+    k = qkv[..., 8 * D: 10 * D].view(2, 16, 2, D)
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(D, 16))
+    expected = [torch.ops.rope_ext.apply_rotary(v.contiguous(), table, None, 0, 1, True, False)
+                for v in (q, k)]
+    torch.ops.rope_ext.apply_rotary_qk_(q, k, table, None, 0, 1, True, False)
+    for got, want in zip((q, k), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D] views
+    torch.ops.rope_ext.apply_rotary_qk_(qt, kt, table, None, 0, 2, True, False)
+
+
+def test_unprovable_layouts_are_refused_with_their_strides(monkeypatch):
+    # An overlap question that outruns its step budget is refused, naming the layout, never
+    # rotated on a guess (the Python twin of the C++ check, its budget cut to nothing).
+    monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", 0)
+    x = torch.randn(64).as_strided([3, 2, D], [2, 3, 8])  # distinct, its strides interleaved
+    assert len(set(offsets(x))) == x.numel()
+    message = "apply_rotary_: cannot prove that the elements of x are distinct (sizes [3, 2, 4]"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _checks.check_inplace_target("apply_rotary_", "x", x)
+    monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", 100000)
+    _checks.check_inplace_target("apply_rotary_", "x", x)
