@@ -164,6 +164,24 @@ def test_float64_table_and_strided_table(device):
     assert_matches_reference(rope_ext.apply_rotary(x, strided), reference_of(x, strided))
 
 
+@pytest.mark.parametrize("heads", [8, 6, 5, 2])  # groups of 4, of 2, memory order, all heads
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hf_layout_long_sequences(device, heads, inplace, dtype):
+    # [B, H, S, D] with enough positions that the CPU kernel walks the heads in groups (or in
+    # memory order): the same bits as [B, S, H, D], the layout whose heads share a span.
+    q = torch.randn(2, heads, 300, 64, device=device, dtype=dtype)
+    k = torch.randn(2, 2, 300, 64, device=device, dtype=dtype)
+    table = rope_ext.precompute_freqs_cis(48, 310, device=device)  # partial rotary
+    want = [y.transpose(1, 2) for y in rope_ext.apply_rotary_qk(
+        q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), table, offset=7,
+        interleaved=False)]
+    got = rope_ext.apply_rotary_qk(q, k, table, offset=7, seq_dim=2, interleaved=False,
+                                   inplace=inplace)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_ops_take_the_complex_table(device, dtype):
     # The ops read a complex table through its real view themselves (strided too); results,
