@@ -5,6 +5,7 @@ on the full tensors; context parallel by sequence shards; the errors."""
 import datetime
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -29,6 +30,13 @@ def _worker(rank, port, module, scenario):
         dist.barrier()  # both ranks done before teardown (gloo aborts a peer torn down early)
     finally:
         dist.destroy_process_group()
+    # Done and torn down: leave without the interpreter's own teardown, where a gloo thread
+    # still joinable at exit aborted a worker that had passed ("terminate called without an
+    # active exception", seen once in CI after torchtitan's DTensor scenario). A failure
+    # above raises instead, and the spawn reports it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(scenario: str, module: str = __name__, timeout: float = 120.0) -> None:
