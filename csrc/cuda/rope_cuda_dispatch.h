@@ -1,0 +1,50 @@
+// Which instantiation of the rotary thread function a call runs: element and table types,
+// pairing, vector or scalar path, 32- or 64-bit offsets. Shared by the CUDA launcher and its
+// host emulation, so that both pick the same kernel for the same call.
+#pragma once
+
+#include <ATen/Dispatch.h>
+
+#include <type_traits>
+
+#include "rope_cuda_kernel.h"
+
+namespace rope_ext {
+namespace cuda_kernel {
+
+template <typename F>
+void with_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// Calls Run<scalar_t, table_t, kInterleaved, kVector, index_t>::run(p, args...) for the
+// kernel that serves p (x_dtype, table_dtype: the types behind its pointers).
+template <template <typename, typename, bool, bool, typename> class Run, typename... Args>
+void dispatch_rotary(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
+                     Args&... args) {
+  const size_t elem = c10::elementSize(x_dtype);
+  const bool vector = use_vector_path(p, elem, c10::elementSize(table_dtype));
+  const bool wide = largest_offset(p) > INT32_MAX;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_cuda", [&] {
+    using row_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_cuda_table", [&] {
+      using table_t = scalar_t;
+      with_bool(p.interleaved, [&](auto interleaved) {
+        with_bool(vector, [&](auto vec) {
+          with_bool(wide, [&](auto wide_index) {
+            using index_t = std::conditional_t<decltype(wide_index)::value, int64_t, int32_t>;
+            Run<row_t, table_t, decltype(interleaved)::value, decltype(vec)::value,
+                index_t>::run(p, args...);
+          });
+        });
+      });
+    });
+  });
+}
+
+}  // namespace cuda_kernel
+}  // namespace rope_ext
