@@ -75,6 +75,7 @@ def sources(with_cuda: bool) -> list[str]:
     files += [str(CSRC / "cpu" / "rope_cpu.cpp"), str(CSRC / "cpu" / "rope_cpu_kernel_default.cpp")]
     if X86:
         files += list(ISA_FLAGS)
+    files.append(str(CSRC / "cuda" / "rope_cuda_emulate.cpp"))  # the CUDA kernels on the host
     files.append(str(CSRC / "cuda" / ("rope_cuda.cu" if with_cuda else "no_cuda.cpp")))
     return files
 

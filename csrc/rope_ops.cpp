@@ -60,6 +60,12 @@ TORCH_LIBRARY(rope_ext, m) {
       "rotary_table_grad(Tensor grad, Tensor x, Tensor freqs_cis, Tensor? positions, "
       "SymInt offset, int seq_dim, bool interleaved, bool inverse) -> Tensor");
 
+  // Tests: sm_count > 0 makes the CPU ops run the CUDA kernels emulated on the host, with
+  // every memory access checked, on a GPU of sm_count SMs holding blocks_per_sm blocks each
+  // (csrc/cuda/rope_cuda_emulate.cpp); 0 turns it off. Returns the launches made since the
+  // last call, one line each.
+  m.def("_cuda_emulation(int sm_count, int blocks_per_sm=3) -> str");
+
   // Which kernels this build holds, as "key=value" lines (python -m rope_ext prints them).
   m.def("build_info() -> str");
 }

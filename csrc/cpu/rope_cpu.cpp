@@ -12,6 +12,7 @@
 
 #include "../rope_backend.h"
 #include "../rope_build.h"
+#include "../cuda/rope_cuda_emulate.h"
 #include "rope_cpu_kernel.h"
 
 namespace rope_ext {
@@ -125,6 +126,10 @@ void walk_heads_together(RotaryOperand& op, int64_t row_bytes, bool inplace) {
 
 void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType table_dtype,
             c10::Device) {
+  if (cuda_emulation::active()) {
+    cuda_emulation::launch(params, x_dtype, table_dtype);
+    return;
+  }
   RotaryParams p = params;
   for (int o = 0; o < p.num_operands; ++o) {
     RotaryOperand& op = p.operands[o];
@@ -144,6 +149,10 @@ void check_positions(const char* op, const at::Tensor& positions, int64_t offset
 }
 
 void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude) {
+  if (cuda_emulation::active()) {
+    cuda_emulation::fill_freqs_cis(out, inv_freq, magnitude);
+    return;
+  }
   const int64_t end = out.size(0);
   const int64_t pairs = out.size(1);
   const double* inv = inv_freq.data_ptr<double>();

@@ -1,0 +1,274 @@
+// The CUDA kernels run on the host: every block and thread of the launch plan the CUDA
+// launcher would use, through the same thread functions (rope_cuda_kernel.h), with each
+// memory access checked. Built in every configuration, so CPU-only machines test the GPU code.
+//
+// Turned on by torch.ops.rope_ext._cuda_emulation(sm_count, blocks_per_sm): the CPU ops then
+// launch the emulated CUDA kernels instead of the CPU kernels, on the same checked arguments.
+// A launch fails (RuntimeError) when a thread
+//   - reads anything but an element of x, the table or positions, or an element of out that
+//     some thread already wrote (a race on a GPU);
+//   - makes a 16-byte access at an address that is not 16-byte aligned;
+//   - writes anything but an element of out;
+// and, after the launch, unless every element of out was written exactly once (pass-through
+// features of an in-place call: never).
+#include "rope_cuda_emulate.h"
+
+#include <ATen/Dispatch.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+
+#include "rope_cuda_dispatch.h"
+
+namespace rope_ext {
+namespace cuda_emulation {
+namespace {
+
+using cuda_kernel::Bits128;
+using cuda_kernel::kChunkBytes;
+using cuda_kernel::kThreads;
+
+std::atomic<int64_t> g_sm_count{0};
+std::atomic<int64_t> g_blocks_per_sm{0};
+std::mutex g_log_mutex;
+std::string g_log;
+
+void log_line(const std::string& line) {
+  const std::lock_guard<std::mutex> lock(g_log_mutex);
+  g_log += line + "\n";
+}
+
+// Global memory as one kernel launch may touch it.
+class CheckedMem {
+ public:
+  // The elements of a tensor (element address -> size in bytes) a thread may read.
+  void allow_read(const void* p, size_t size) {
+    readable_[reinterpret_cast<uintptr_t>(p)] = static_cast<uint8_t>(size);
+  }
+  // An element of out, and how many times the launch must write it (0 or 1).
+  void expect_write(void* p, size_t size, int expected) {
+    auto& w = writes_[reinterpret_cast<uintptr_t>(p)];
+    w.size = static_cast<uint8_t>(size);
+    w.expected = expected;
+  }
+  void at(int64_t block, int32_t thread) {
+    block_ = block;
+    thread_ = thread;
+  }
+
+  template <typename T>
+  T load(const T* p) {
+    check_read(reinterpret_cast<uintptr_t>(p), sizeof(T));
+    return *p;
+  }
+  template <typename T>
+  void store(T* p, T v) {
+    check_write(reinterpret_cast<uintptr_t>(p), sizeof(T));
+    *p = v;
+  }
+  Bits128 load128(const void* p) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    check_aligned(a, "load");
+    for (uintptr_t e = a; e < a + kChunkBytes;) {
+      e += check_read(e, 0);
+    }
+    Bits128 b;
+    memcpy(&b, p, sizeof(b));
+    return b;
+  }
+  void store128(void* p, const Bits128& b) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    check_aligned(a, "store");
+    for (uintptr_t e = a; e < a + kChunkBytes;) {
+      e += check_write(e, 0);
+    }
+    memcpy(p, &b, sizeof(b));
+  }
+  void check_position(bool ok) {
+    TORCH_CHECK(ok, where(), " read a position outside [0, rows of freqs_cis)");
+  }
+
+  // Raises unless every element of out was written as often as expected.
+  void check_all_written() const {
+    for (const auto& [address, w] : writes_) {
+      TORCH_CHECK(w.writes == w.expected, "CUDA emulation: the element of out at byte ",
+                  address - first_out(), " was written ", w.writes, " times, expected ",
+                  w.expected);
+    }
+  }
+  size_t reads() const { return reads_; }
+  size_t writes() const { return stores_; }
+
+ private:
+  struct Write {
+    uint8_t size = 0;
+    int expected = 0;
+    int writes = 0;
+  };
+
+  std::string where() const {
+    std::ostringstream s;
+    s << "CUDA emulation: block " << block_ << ", thread " << thread_;
+    return s.str();
+  }
+  void check_aligned(uintptr_t a, const char* what) const {
+    TORCH_CHECK(a % kChunkBytes == 0, where(), " made a 16-byte ", what, " at an address ",
+                a % kChunkBytes, " bytes past a 16-byte boundary");
+  }
+  // The size of the element at a (size: what the access expects, 0 = any), or raises.
+  size_t check_read(uintptr_t a, size_t size) {
+    const auto w = writes_.find(a);
+    TORCH_CHECK(w == writes_.end() || w->second.writes == 0, where(),
+                " read an element of out that was already written (a race on a GPU)");
+    const auto r = readable_.find(a);
+    TORCH_CHECK(r != readable_.end() && (size == 0 || r->second == size), where(),
+                " read outside x, freqs_cis and positions (", size == 0 ? 16 : size,
+                " bytes at address ", a, ")");
+    ++reads_;
+    return r->second;
+  }
+  size_t check_write(uintptr_t a, size_t size) {
+    const auto w = writes_.find(a);
+    TORCH_CHECK(w != writes_.end() && (size == 0 || w->second.size == size), where(),
+                " wrote outside out (", size == 0 ? 16 : size, " bytes at address ", a, ")");
+    ++w->second.writes;
+    ++stores_;
+    return w->second.size;
+  }
+  uintptr_t first_out() const {
+    uintptr_t first = UINTPTR_MAX;
+    for (const auto& entry : writes_) first = std::min(first, entry.first);
+    return first;
+  }
+
+  std::unordered_map<uintptr_t, uint8_t> readable_;
+  std::unordered_map<uintptr_t, Write> writes_;
+  int64_t block_ = -1;
+  int32_t thread_ = -1;
+  size_t reads_ = 0;
+  size_t stores_ = 0;
+};
+
+// Registers the elements a rotary launch may read and must write.
+void map_memory(CheckedMem& mem, const RotaryParams& p, size_t elem, size_t table_elem) {
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    const auto* x = static_cast<const char*>(op.x);
+    auto* out = static_cast<char*>(op.out);
+    for (int64_t row = 0; row < op.rows; ++row) {
+      const RowOffsets off = row_offsets(op, row);
+      for (int64_t f = 0; f < op.head_dim; ++f) {
+        mem.allow_read(x + (off.x + f * op.x_feature_stride) * elem, elem);
+        const bool rotated = f < 2 * p.rot_pairs;
+        mem.expect_write(out + (off.out + f * op.out_feature_stride) * elem, elem,
+                         rotated || op.out != op.x ? 1 : 0);
+      }
+      if (p.positions != nullptr) {
+        const size_t pos_elem = p.positions_int64 ? 8 : 4;
+        mem.allow_read(static_cast<const char*>(p.positions) + off.pos * pos_elem, pos_elem);
+      }
+    }
+  }
+  const auto* table = static_cast<const char*>(p.table);
+  for (int64_t t = 0; t < p.table_rows; ++t) {
+    for (int64_t i = 0; i < p.rot_pairs; ++i) {
+      const int64_t at = t * p.table_row_stride + i * p.table_pair_stride;
+      mem.allow_read(table + at * table_elem, table_elem);
+      mem.allow_read(table + (at + p.table_cs_stride) * table_elem, table_elem);
+    }
+  }
+}
+
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
+struct EmulateRotary {
+  static void run(const RotaryParams& p) {
+    const cuda_kernel::LaunchPlan plan = cuda_kernel::plan_rotary(
+        p, sizeof(scalar_t), sizeof(table_t), g_sm_count.load(), g_blocks_per_sm.load());
+    TORCH_INTERNAL_ASSERT(plan.vector == kVector && plan.wide_index == (sizeof(index_t) == 8));
+    CheckedMem mem;
+    map_memory(mem, p, sizeof(scalar_t), sizeof(table_t));
+    for (int64_t block = 0; block < plan.grid; ++block) {
+      for (int32_t thread = 0; thread < kThreads; ++thread) {
+        mem.at(block, thread);
+        cuda_kernel::rotary_thread<scalar_t, table_t, kInterleaved, kVector, index_t>(
+            plan.k, block, thread, plan.grid, mem);
+      }
+    }
+    mem.check_all_written();
+    const cuda_kernel::KernelParams& k = plan.k;
+    std::ostringstream s;
+    s << "rotary vector=" << kVector << " index=" << 8 * sizeof(index_t)
+      << " interleaved=" << kInterleaved << " grid=" << plan.grid << " blocks=" << k.blocks
+      << " lane_threads=" << k.lane_threads;
+    for (int o = 0; o < p.num_operands; ++o) {
+      s << " op" << o << "=(heads=" << k.op[o].heads << " tokens=" << k.op[o].tokens
+        << " lanes=" << k.op[o].lanes << " groups=" << k.op[o].groups
+        << " rows_per_thread=" << k.op[o].rows_per_thread
+        << " tokens_per_block=" << k.op[o].tokens_per_block << ")";
+    }
+    s << " reads=" << mem.reads() << " writes=" << mem.writes();
+    log_line(s.str());
+  }
+};
+
+std::string set_emulation(int64_t sm_count, int64_t blocks_per_sm) {
+  TORCH_CHECK_VALUE(sm_count >= 0 && blocks_per_sm >= 1,
+                    "_cuda_emulation: sm_count must be >= 0 and blocks_per_sm >= 1, got ",
+                    sm_count, " and ", blocks_per_sm);
+  g_blocks_per_sm = blocks_per_sm;
+  g_sm_count = sm_count;
+  const std::lock_guard<std::mutex> lock(g_log_mutex);
+  std::string log;
+  log.swap(g_log);
+  return log;
+}
+
+}  // namespace
+
+bool active() {
+  return g_sm_count.load(std::memory_order_relaxed) > 0;
+}
+
+void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype) {
+  cuda_kernel::dispatch_rotary<EmulateRotary>(p, x_dtype, table_dtype);
+}
+
+void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude) {
+  const int64_t end = out.size(0), pairs = out.size(1);
+  const int64_t threads = kThreads * cuda_kernel::fill_grid(end * pairs, g_sm_count.load());
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "rope_ext_emulate_fill", [&] {
+    CheckedMem mem;
+    auto* data = out.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < end; ++t) {
+      for (int64_t i = 0; i < pairs; ++i) {
+        scalar_t* entry = data + t * out.stride(0) + i * out.stride(1);
+        mem.expect_write(entry, sizeof(scalar_t), 1);
+        mem.expect_write(entry + out.stride(2), sizeof(scalar_t), 1);
+      }
+    }
+    const double* inv = inv_freq.data_ptr<double>();
+    for (int64_t i = 0; i < pairs; ++i) {
+      mem.allow_read(inv + i, sizeof(double));
+    }
+    for (int64_t thread = 0; thread < threads; ++thread) {
+      mem.at(thread / kThreads, static_cast<int32_t>(thread % kThreads));
+      cuda_kernel::fill_freqs_cis_thread(data, inv, magnitude, end, pairs, out.stride(0),
+                                         out.stride(1), out.stride(2), thread, threads, mem);
+    }
+    mem.check_all_written();
+  });
+  log_line("fill_freqs_cis threads=" + std::to_string(threads));
+}
+
+}  // namespace cuda_emulation
+
+TORCH_LIBRARY_IMPL(rope_ext, CompositeExplicitAutograd, m) {
+  m.impl("_cuda_emulation", &cuda_emulation::set_emulation);
+}
+
+}  // namespace rope_ext

@@ -1,0 +1,221 @@
+"""The CUDA kernels run on the host (csrc/cuda/rope_cuda_emulate.cpp): every block and thread of
+the launch plan the CUDA launcher computes, through the same thread functions, with every
+memory access checked (no read outside x / table / positions, no read of an element already
+written, 16-byte accesses aligned, every element of out written exactly once). Each case must
+also agree bit for bit with the CPU kernel. No GPU needed: this is how the CUDA code is tested
+on CPU-only machines."""
+
+import contextlib
+import re
+
+import pytest
+import torch
+
+import rope_ext
+
+emulation = torch.ops.rope_ext._cuda_emulation
+H200 = (132, 3)  # SMs, and blocks per SM of the vector kernels (their launch bounds)
+SMALL_GPU = (1, 1)  # one resident block: every thread strides over many blocks
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+P = 64  # table rows
+
+
+@contextlib.contextmanager
+def emulated(gpu=H200):
+    """Runs the CPU ops as emulated CUDA launches; yields the list the launch log goes to."""
+    emulation(0)  # drop any earlier log
+    launches = []
+    emulation(*gpu)
+    try:
+        yield launches
+    finally:
+        launches.extend(emulation(0).splitlines())
+
+
+def make_case(layout, dtype, head_dim, gen):
+    """(q, k, kwargs) for one layout; k has fewer heads (GQA) where the layout allows."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    def randint(*shape, dtype=torch.int64):
+        return torch.randint(0, P, shape, generator=gen).to(dtype)
+
+    D = head_dim
+    if layout == "bshd":
+        return randn(2, 7, 4, D), randn(2, 7, 2, D), dict(seq_dim=1)
+    if layout == "bhsd":  # Hugging Face
+        return randn(2, 4, 7, D), randn(2, 2, 7, D), dict(seq_dim=2)
+    if layout == "positions_int32":
+        return (randn(2, 7, 4, D), randn(2, 7, 2, D),
+                dict(positions=randint(2, 7, 1, dtype=torch.int32)))
+    if layout == "packed":  # varlen: [T, H, D] with a position per token
+        return randn(13, 4, D), randn(13, 1, D), dict(positions=randint(13, 1), seq_dim=0)
+    if layout == "decode":
+        return randn(5, 1, 8, D), randn(5, 1, 2, D), dict(positions=randint(5, 1, 1))
+    if layout == "offset":
+        return randn(1, 3, 4, D), randn(1, 3, 4, D), dict(offset=P - 3)
+    if layout == "positions_per_head":
+        return randn(2, 3, 4, D), randn(2, 3, 4, D), dict(positions=randint(2, 3, 4))
+    if layout == "fused_qkv":  # q and k are views into one projection output
+        qkv = randn(2, 5, (4 + 2 + 2) * D)
+        return (qkv[..., :4 * D].view(2, 5, 4, D), qkv[..., 4 * D:6 * D].view(2, 5, 2, D),
+                dict())
+    if layout == "misaligned":  # storage offset of one element: the scalar path
+        base = randn(2 * 5 * 4 * D + 1)
+        return base[1:].view(2, 5, 4, D), randn(2, 5, 2, D), dict()
+    if layout == "strided_features":
+        return (randn(2, 5, D, 4).transpose(-1, -2), randn(2, 5, D, 2).transpose(-1, -2),
+                dict())
+    if layout == "many_heads":  # heads beyond what one block's groups hold
+        return randn(1, 3, 70, D), randn(1, 3, 6, D), dict()
+    if layout == "empty":
+        return randn(2, 0, 4, D), randn(2, 0, 2, D), dict()
+    raise ValueError(layout)
+
+
+LAYOUTS = ["bshd", "bhsd", "positions_int32", "packed", "decode", "offset",
+           "positions_per_head", "fused_qkv", "misaligned", "strided_features", "many_heads",
+           "empty"]
+# (head_dim, rotary_dim): full, partial (pass-through), odd widths for the scalar path.
+WIDTHS = [(128, 128), (128, 64), (80, 80), (72, 40), (6, 4)]
+
+
+def copy_with_layout(t):
+    """A copy of t with its strides and storage offset (clone() would make it dense)."""
+    base = t.new_empty(t.untyped_storage().nbytes() // t.element_size())
+    return base.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(t)
+
+
+def call(op, q, k, table, kwargs, interleaved, inverse):
+    """Runs op (one of the four rotary ops; in place on copies); returns the outputs."""
+    if op.endswith("_"):
+        q, k = copy_with_layout(q), copy_with_layout(k)
+    args = (table, kwargs.get("positions"), kwargs.get("offset", 0), kwargs.get("seq_dim", 1),
+            interleaved, inverse)
+    ops = torch.ops.rope_ext
+    if op == "qk":
+        return ops.apply_rotary_qk(q, k, *args)
+    if op == "qk_":
+        ops.apply_rotary_qk_(q, k, *args)
+        return q, k
+    if op == "x":
+        return (ops.apply_rotary(q, *args),)
+    ops.apply_rotary_(q, *args)
+    return (q,)
+
+
+def check(op, q, k, table, kwargs, interleaved, inverse=False, gpu=H200):
+    want = call(op, q, k, table, kwargs, interleaved, inverse)
+    with emulated(gpu) as launches:
+        got = call(op, q, k, table, kwargs, interleaved, inverse)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max()
+    return launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("head_dim,rotary_dim", WIDTHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_cpu_kernel(dtype, interleaved, head_dim, rotary_dim, layout):
+    gen = torch.Generator().manual_seed(head_dim * 7 + rotary_dim)
+    q, k, kwargs = make_case(layout, dtype, head_dim, gen)
+    table = rope_ext.precompute_freqs_cis(rotary_dim, P)
+    # The path to take: 16-byte vectors whenever rows and widths allow them (the
+    # pass-through features count only out of place).
+    vector_width = 16 // q.element_size()
+    # Rows start 16-byte aligned unless the layout offsets them or head_dim is odd-sized.
+    aligned = layout not in ("misaligned", "strided_features") and head_dim % vector_width == 0
+    rotary_ok = (rotary_dim if interleaved else rotary_dim // 2) % vector_width == 0
+    for op in ("qk", "qk_", "x", "x_"):
+        launches = check(op, q, k, table, kwargs, interleaved)
+        assert len(launches) == (0 if layout == "empty" else 1), launches
+        pass_ok = op.endswith("_") or (head_dim - rotary_dim) % vector_width == 0
+        for line in launches:
+            assert f"vector={int(aligned and rotary_ok and pass_ok)}" in line, (op, line)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+def test_grid_stride_and_inverse(interleaved, dtype):
+    """One resident block, so each thread walks many blocks; q and k in one launch; inverse."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, kwargs = make_case("bshd", dtype, 128, gen)
+    table = rope_ext.precompute_freqs_cis(128, P)
+    for inverse in (False, True):
+        launches = check("qk", q, k, table, kwargs, interleaved, inverse, gpu=SMALL_GPU)
+        assert "grid=1 " in launches[0], launches[0]
+
+
+@pytest.mark.parametrize("table_kind", ["float64", "complex64", "rows_sliced", "pairs_strided"])
+def test_table_forms(table_kind):
+    """Tables the vector kernels read as 16-byte vectors, and ones they must not."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, kwargs = make_case("bshd", torch.bfloat16, 64, gen)
+    full = rope_ext.precompute_freqs_cis(64, 2 * P)  # complex64 [2P, 32]
+    table = {
+        "float64": torch.view_as_real(full).double(),
+        "complex64": full,
+        "rows_sliced": torch.view_as_real(full)[P:],  # whole rows off: still vector-readable
+        "pairs_strided": torch.view_as_real(rope_ext.precompute_freqs_cis(128, P))[:, ::2],
+    }[table_kind]
+    for interleaved in (True, False):
+        launches = check("qk", q, k, table, kwargs, interleaved)
+        assert ("vector=0" if table_kind == "pairs_strided" else "vector=1") in launches[0]
+
+
+def test_wide_rows_take_the_scalar_path():
+    """Rows of more 16-byte lanes than a block has threads: the scalar path, lanes looped."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 2, 4096, generator=gen)
+    k = torch.randn(2, 3, 1, 4096, generator=gen)
+    table = rope_ext.precompute_freqs_cis(4096, P)
+    for interleaved in (True, False):
+        launches = check("qk", q, k, table, {}, interleaved)
+        assert "vector=0" in launches[0] and "lane_threads=256" in launches[0], launches[0]
+
+
+def test_decode_spreads_heads_over_threads():
+    """Few tokens: the fewest rows per thread a block allows (32 heads of 16 lanes in 256
+    threads: 2), so the launch has as many threads as it can."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(64, 1, 32, 128, generator=gen).bfloat16()
+    k = torch.randn(64, 1, 8, 128, generator=gen).bfloat16()
+    table = rope_ext.precompute_freqs_cis(128, P)
+    launches = check("qk_", q, k, table, dict(positions=torch.full((64, 1, 1), 7)), True)
+    assert re.search(r"op0=\(heads=32 tokens=64 .* rows_per_thread=2", launches[0]), launches[0]
+    # Prefill: enough rows for every resident thread, so four heads per thread.
+    q = torch.randn(1, 2048, 32, 128, generator=gen).bfloat16()
+    k = torch.randn(1, 2048, 8, 128, generator=gen).bfloat16()
+    launches = check("qk_", q, k, rope_ext.precompute_freqs_cis(128, 2048), {}, True)
+    assert re.search(r"op0=\(heads=32 tokens=2048 .* rows_per_thread=4", launches[0]), launches[0]
+
+
+def test_offsets_beyond_32_bits():
+    """A view whose elements lie more than 2**31 elements into its storage: 64-bit offsets.
+    The storage is allocated but only the view's pages are touched."""
+    big = torch.empty(2**31 + 4096, dtype=torch.bfloat16)
+    x = big.as_strided((2, 1, 2, 128), (2**31 + 1024, 128, 256, 1))  # second row past 2**31
+    x.copy_(torch.randn(2, 1, 2, 128, generator=torch.Generator().manual_seed(5)))
+    table = rope_ext.precompute_freqs_cis(128, P)
+    args = (table, None, 3, 1, False, False)
+    want = torch.ops.rope_ext.apply_rotary(x.contiguous(), *args)
+    with emulated() as launches:
+        got = torch.ops.rope_ext.apply_rotary(x, *args)
+        torch.ops.rope_ext.apply_rotary_(x, *args)
+    assert torch.equal(got, want) and torch.equal(x, want)
+    assert len(launches) == 2 and all("index=64 " in line for line in launches), launches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_table_fill_matches_cpu(dtype):
+    want = rope_ext.precompute_freqs_cis(96, 300, dtype=dtype)
+    with emulated() as launches:
+        got = rope_ext.precompute_freqs_cis(96, 300, dtype=dtype)
+    assert torch.equal(got, want)
+    assert launches and launches[0].startswith("fill_freqs_cis"), launches
+
+
+def test_emulation_rejects_bad_settings():
+    with pytest.raises(ValueError, match="sm_count must be >= 0 and blocks_per_sm >= 1"):
+        emulation(4, 0)
