@@ -77,8 +77,9 @@ def demangle(names: list[str]) -> list[str]:
     return [re.sub(r"rope_ext::cuda::\(anonymous namespace\)::", "", n) for n in out]
 
 
-# An access instruction and its width: LDG.E.128, STG.E.64, STG.E.U16, LDG.E (32-bit) ...
-_ACCESS = re.compile(r"\b(LDG|STG|LDL|STL)\.E?\.?([A-Z0-9.]*)")
+# An access instruction and its width: LDG.E.128, STG.E.64, STG.E.U16, LDG.E (32-bit), STL
+# (no suffix) ...
+_ACCESS = re.compile(r"\b(LDG|STG|LDL|STL)((?:\.[A-Z0-9]+)*)")
 
 
 def _width(suffix: str) -> int:

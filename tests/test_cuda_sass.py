@@ -1,0 +1,91 @@
+"""What the compiler made of the CUDA kernels (sm_90), read from the built library's SASS with
+cuobjdump: no GPU needed. The design relies on these properties; a change that breaks one
+fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this cannot skip).
+
+- No rotary kernel spills or uses local memory.
+- On the vector path every global store is a 16-byte STG.E.128, and so is every load but the
+  row's position (one int32 or int64 load).
+- Registers: the vector kernels are built for 3 blocks of 256 threads per SM (768 resident
+  threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar kernels for 2
+  (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rope_ext
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import sass_report  # noqa: E402
+
+ARCH = "sm_90"
+EXPECTED = os.environ.get("ROPE_EXT_EXPECT_CUDA") == "1"
+
+
+def _kernels():
+    info = rope_ext.build_info()
+    if info["cuda"] != "yes" or ARCH not in info["cuda_archs"].split():
+        if EXPECTED:
+            pytest.fail(f"ROPE_EXT_EXPECT_CUDA=1 but the build has no {ARCH} code: {info}")
+        pytest.skip(f"no {ARCH} CUDA kernels in this build ({info['cuda_archs']})")
+    tool = sass_report.cuobjdump()
+    lib = sass_report.library()
+
+    def dump(*args):
+        return subprocess.run([tool, *args, "-arch", ARCH, lib], capture_output=True, text=True,
+                              check=True).stdout
+
+    return sass_report.parse(dump("-sass"), dump("-res-usage"))
+
+
+@pytest.fixture(scope="module")
+def rotary_kernels():
+    kernels = [k for k in _kernels() if k.name.startswith("void rotary_kernel<")]
+    # 4 element types x 2 table types x 2 pairings x vector/scalar x 32/64-bit offsets
+    assert len(kernels) == 64, [k.name for k in kernels]
+    return kernels
+
+
+SIZES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8}
+
+
+def template_args(kernel):
+    """rotary_kernel<scalar_t, table_t, kInterleaved, kVector, index_t> -> its arguments."""
+    return re.search(r"rotary_kernel<(.*)>\(", kernel.name).group(1).split(", ")
+
+
+def is_vector(kernel):
+    return template_args(kernel)[3] == "true"
+
+
+def narrow_loads_allowed(kernel):
+    """The position (an int32 or an int64 load), and a lane's (cos, sin) when they do not
+    fill a 16-byte vector (float64 x with a float32 table, interleaved: one pair per lane)."""
+    scalar, table, interleaved = template_args(kernel)[:3]
+    pairs = 16 // SIZES[scalar] // (2 if interleaved == "true" else 1)
+    table_bytes = pairs * 2 * SIZES[table]
+    return 2 + (2 * pairs if table_bytes % 16 else 0)
+
+
+def test_no_spills_and_no_local_memory(rotary_kernels):
+    bad = [(k.name, k.stack, k.local_accesses) for k in rotary_kernels
+           if k.stack or k.local_accesses]
+    assert not bad, bad
+
+
+def test_vector_path_moves_16_bytes_per_access(rotary_kernels):
+    for k in filter(is_vector, rotary_kernels):
+        assert set(k.stores) == {128}, (k.name, k.stores)
+        narrow_loads = sum(n for width, n in k.loads.items() if width != 128)
+        assert narrow_loads <= narrow_loads_allowed(k), (k.name, k.loads)
+
+
+def test_register_budget(rotary_kernels):
+    for k in rotary_kernels:
+        budget = 80 if is_vector(k) else 128
+        assert 0 < k.registers <= budget, (k.name, k.registers)
