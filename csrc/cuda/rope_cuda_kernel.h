@@ -182,15 +182,21 @@ ROPE_HD void rotary_thread(const KernelParams& kp, int64_t block, int32_t thread
     }
     const RotaryOperand& op = p.operands[o];
     // The token's offsets, from its index over the token dims.
+    // The outermost dim takes what is left, without a division (often the only token dim).
     index_t rest = token, x_off = 0, out_off = 0, pos_off = 0;
 #pragma unroll 1
-    for (int d = pl.ndim - 1; d >= 0; --d) {
+    for (int d = pl.ndim - 1; d > 0; --d) {
       const index_t size = static_cast<index_t>(pl.sizes[d]);
-      const index_t i = d == 0 ? rest : rest % size;
-      rest = d == 0 ? 0 : rest / size;
+      const index_t i = rest % size;
+      rest /= size;
       x_off += i * static_cast<index_t>(pl.x_strides[d]);
       out_off += i * static_cast<index_t>(pl.out_strides[d]);
       pos_off += i * static_cast<index_t>(pl.pos_strides[d]);
+    }
+    if (pl.ndim > 0) {
+      x_off += rest * static_cast<index_t>(pl.x_strides[0]);
+      out_off += rest * static_cast<index_t>(pl.out_strides[0]);
+      pos_off += rest * static_cast<index_t>(pl.pos_strides[0]);
     }
     const auto* x = static_cast<const scalar_t*>(op.x) + x_off +
                     group * static_cast<index_t>(pl.head_x_stride);
@@ -201,9 +207,10 @@ ROPE_HD void rotary_thread(const KernelParams& kp, int64_t block, int32_t thread
     const index_t xs = static_cast<index_t>(op.x_feature_stride);
     const index_t os = static_cast<index_t>(op.out_feature_stride);
     // The thread's rows are heads group + j * groups, j < rows_per_thread, below heads.
-    const int32_t rows = static_cast<int32_t>(smaller<index_t>(
-        pl.rows_per_thread, (static_cast<index_t>(pl.heads) - group + pl.groups - 1) / pl.groups));
-    auto has_row = [rows](int32_t j) { return j < rows; };
+    const int32_t rows = pl.rows_per_thread;
+    const index_t heads_left = static_cast<index_t>(pl.heads) - group;
+    const index_t groups = pl.groups;
+    auto has_row = [&](int32_t j) { return j < rows && j * groups < heads_left; };
 
     // The work of one lane of every row of the thread.
     auto lane_work = [&](int32_t lane) {
