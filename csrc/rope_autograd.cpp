@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 namespace rope_ext {
 namespace {
@@ -20,20 +21,23 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+using Mrope = at::OptionalIntArrayRef;  // mrope_section
 using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::SymInt, int64_t, bool, bool);
+                            c10::SymInt, int64_t, bool, bool, Mrope, bool);
 using ApplyInplaceSig = void(const at::Tensor&, const at::Tensor&,
-                             const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, bool);
+                             const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, bool,
+                             Mrope, bool);
 using ApplyQkSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&,
                                                        const std::optional<at::Tensor>&,
-                                                       c10::SymInt, int64_t, bool, bool);
+                                                       c10::SymInt, int64_t, bool, bool, Mrope,
+                                                       bool);
 using ApplyQkInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
-                               bool);
+                               bool, Mrope, bool);
 using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
-                                bool);
+                                bool, Mrope, bool);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -50,16 +54,39 @@ struct RotaryArgs {
   int64_t seq_dim;
   bool interleaved;
   bool inverse;
+  std::optional<std::vector<int64_t>> mrope_section;
+  bool mrope_interleaved;
 
+  RotaryArgs(c10::SymInt offset, int64_t seq_dim, bool interleaved, bool inverse,
+             Mrope section, bool mrope_interleaved)
+      : offset(std::move(offset)),
+        seq_dim(seq_dim),
+        interleaved(interleaved),
+        inverse(inverse),
+        mrope_section(section.has_value() ? std::optional<std::vector<int64_t>>(section->vec())
+                                          : std::nullopt),
+        mrope_interleaved(mrope_interleaved) {}
+
+  Mrope section() const {
+    return mrope_section.has_value() ? Mrope(*mrope_section) : Mrope();
+  }
   void save(AutogradContext* ctx) const {
     ctx->saved_data["offset"] = offset;
     ctx->saved_data["seq_dim"] = seq_dim;
     ctx->saved_data["interleaved"] = interleaved;
     ctx->saved_data["inverse"] = inverse;
+    ctx->saved_data["mrope_section"] =
+        mrope_section.has_value() ? c10::IValue(*mrope_section) : c10::IValue();
+    ctx->saved_data["mrope_interleaved"] = mrope_interleaved;
   }
   static RotaryArgs load(AutogradContext* ctx) {
+    const c10::IValue& section = ctx->saved_data["mrope_section"];
+    const std::vector<int64_t> sections = section.isNone() ? std::vector<int64_t>()
+                                                           : section.toIntVector();
     return {ctx->saved_data["offset"].toSymInt(), ctx->saved_data["seq_dim"].toInt(),
-            ctx->saved_data["interleaved"].toBool(), ctx->saved_data["inverse"].toBool()};
+            ctx->saved_data["interleaved"].toBool(), ctx->saved_data["inverse"].toBool(),
+            section.isNone() ? Mrope() : Mrope(sections),
+            ctx->saved_data["mrope_interleaved"].toBool()};
   }
 };
 
@@ -71,7 +98,7 @@ at::Tensor x_grad(const at::Tensor& grad, const at::Tensor& table, const at::Ten
     return {};
   }
   return apply.call(grad, table, optional_tensor(positions), a.offset, a.seq_dim, a.interleaved,
-                    !a.inverse);
+                    !a.inverse, a.section(), a.mrope_interleaved);
 }
 
 // The table's gradient from one rotated tensor whose input was x.
@@ -82,7 +109,7 @@ at::Tensor table_grad(const at::Tensor& grad, const at::Tensor& x, const at::Ten
     return {};
   }
   return table_grad_op.call(grad, x, table, optional_tensor(positions), a.offset, a.seq_dim,
-                            a.interleaved, a.inverse);
+                            a.interleaved, a.inverse, a.section(), a.mrope_interleaved);
 }
 
 at::Tensor sum_defined(const at::Tensor& a, const at::Tensor& b) {
@@ -99,7 +126,8 @@ class Rotary : public torch::autograd::Function<Rotary> {
     at::Tensor out;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      out = op.call(x, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse);
+      out = op.call(x, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse,
+                    a.section(), a.mrope_interleaved);
     }
     a.save(ctx);
     ctx->save_for_backward({table, positions.value_or(at::Tensor()),
@@ -128,7 +156,8 @@ class RotaryQk : public torch::autograd::Function<RotaryQk> {
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(q_out, k_out) =
-          op.call(q, k, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse);
+          op.call(q, k, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse,
+                  a.section(), a.mrope_interleaved);
     }
     a.save(ctx);
     const bool keep_inputs = table.requires_grad();
@@ -171,7 +200,8 @@ class RotaryInplace : public torch::autograd::Function<RotaryInplace> {
     static const auto op = find_op<ApplyInplaceSig>("rope_ext::apply_rotary_");
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      op.call(x, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse);
+      op.call(x, table, positions, a.offset, a.seq_dim, a.interleaved, a.inverse, a.section(),
+              a.mrope_interleaved);
     }
     ctx->mark_dirty({x});  // apply() bumps the version of dirty tensors
     a.save(ctx);
@@ -202,8 +232,10 @@ bool any_requires_grad(std::initializer_list<at::Tensor> tensors) {
 
 void apply_rotary_autograd(const at::Tensor& x, const at::Tensor& table,
                            const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                           int64_t seq_dim, bool interleaved, bool inverse) {
-  const RotaryArgs a{std::move(offset), seq_dim, interleaved, inverse};
+                           int64_t seq_dim, bool interleaved, bool inverse, Mrope mrope_section,
+                           bool mrope_interleaved) {
+  const RotaryArgs a{std::move(offset), seq_dim,       interleaved,
+                     inverse,           mrope_section, mrope_interleaved};
   if (any_requires_grad({x, table})) {
     RotaryInplace::apply(x, table, positions, a);
     return;
@@ -211,15 +243,18 @@ void apply_rotary_autograd(const at::Tensor& x, const at::Tensor& table,
   static const auto op = find_op<ApplyInplaceSig>("rope_ext::apply_rotary_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(x, table, positions, a.offset, seq_dim, interleaved, inverse);
+    op.call(x, table, positions, a.offset, seq_dim, interleaved, inverse, mrope_section,
+            mrope_interleaved);
   }
   torch::autograd::increment_version(x);
 }
 
 void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
                               const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                              int64_t seq_dim, bool interleaved, bool inverse) {
-  const RotaryArgs a{std::move(offset), seq_dim, interleaved, inverse};
+                              int64_t seq_dim, bool interleaved, bool inverse,
+                              Mrope mrope_section, bool mrope_interleaved) {
+  const RotaryArgs a{std::move(offset), seq_dim,       interleaved,
+                     inverse,           mrope_section, mrope_interleaved};
   if (any_requires_grad({q, k, table})) {
     // The autograd engine lets a Function that modifies a view in place (q and k are often
     // views of one qkv projection) return only that one tensor: one Function each.
@@ -230,7 +265,8 @@ void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at
   static const auto op = find_op<ApplyQkInplaceSig>("rope_ext::apply_rotary_qk_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(q, k, table, positions, a.offset, seq_dim, interleaved, inverse);
+    op.call(q, k, table, positions, a.offset, seq_dim, interleaved, inverse, mrope_section,
+            mrope_interleaved);
   }
   torch::autograd::increment_version(q);
   torch::autograd::increment_version(k);
@@ -241,28 +277,32 @@ void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at
 at::Tensor apply_rotary_functional(const at::Tensor& x, const at::Tensor& table,
                                    const std::optional<at::Tensor>& positions,
                                    c10::SymInt offset, int64_t seq_dim, bool interleaved,
-                                   bool inverse) {
+                                   bool inverse, Mrope mrope_section, bool mrope_interleaved) {
   static const auto op = find_op<ApplySig>("rope_ext::apply_rotary");
   if (any_requires_grad({x, table})) {
     return Rotary::apply(x, table, positions,
-                         RotaryArgs{std::move(offset), seq_dim, interleaved, inverse})[0];
+                         RotaryArgs{std::move(offset), seq_dim, interleaved, inverse,
+                                    mrope_section, mrope_interleaved})[0];
   }
   at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(x, table, positions, offset, seq_dim, interleaved, inverse);
+  return op.call(x, table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+                 mrope_interleaved);
 }
 
 std::tuple<at::Tensor, at::Tensor> apply_rotary_qk_functional(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
     const std::optional<at::Tensor>& positions, c10::SymInt offset, int64_t seq_dim,
-    bool interleaved, bool inverse) {
+    bool interleaved, bool inverse, Mrope mrope_section, bool mrope_interleaved) {
   static const auto op = find_op<ApplyQkSig>("rope_ext::apply_rotary_qk");
   if (any_requires_grad({q, k, table})) {
     auto out = RotaryQk::apply(q, k, table, positions,
-                               RotaryArgs{std::move(offset), seq_dim, interleaved, inverse});
+                               RotaryArgs{std::move(offset), seq_dim, interleaved, inverse,
+                                          mrope_section, mrope_interleaved});
     return {out[0], out[1]};
   }
   at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(q, k, table, positions, offset, seq_dim, interleaved, inverse);
+  return op.call(q, k, table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+                 mrope_interleaved);
 }
 
 TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) {

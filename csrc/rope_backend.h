@@ -39,8 +39,10 @@ inline void check_positions(const Backend& b, const char* op,
 
 inline void rotate(const Backend& b, const char* op, const at::Tensor& x, const at::Tensor& out,
                    const at::Tensor& table, const std::optional<at::Tensor>& positions,
-                   int64_t offset, int64_t seq_dim, bool interleaved, bool inverse) {
-  RotaryParams p = make_params(table, positions, offset, interleaved, inverse);
+                   int64_t offset, int64_t seq_dim, bool interleaved, bool inverse,
+                   at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  RotaryParams p = make_params(table, positions, offset, interleaved, inverse, mrope_section,
+                               mrope_interleaved);
   add_operand(op, p, x, out, positions, seq_dim);
   if (p.num_operands > 0) {
     b.launch(p, x.scalar_type(), c10::toRealValueType(table.scalar_type()), x.device());
@@ -50,8 +52,10 @@ inline void rotate(const Backend& b, const char* op, const at::Tensor& x, const 
 inline void rotate_qk(const Backend& b, const char* op, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& q_out, const at::Tensor& k_out,
                       const at::Tensor& table, const std::optional<at::Tensor>& positions,
-                      int64_t offset, int64_t seq_dim, bool interleaved, bool inverse) {
-  RotaryParams p = make_params(table, positions, offset, interleaved, inverse);
+                      int64_t offset, int64_t seq_dim, bool interleaved, bool inverse,
+                      at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  RotaryParams p = make_params(table, positions, offset, interleaved, inverse, mrope_section,
+                               mrope_interleaved);
   if (q.scalar_type() == k.scalar_type()) {
     add_operand(op, p, q, q_out, positions, seq_dim);
     add_operand(op, p, k, k_out, positions, seq_dim);
@@ -61,16 +65,21 @@ inline void rotate_qk(const Backend& b, const char* op, const at::Tensor& q,
     return;
   }
   // One kernel handles one element type; q and k of different dtypes take two launches.
-  rotate(b, op, q, q_out, table, positions, offset, seq_dim, interleaved, inverse);
-  rotate(b, op, k, k_out, table, positions, offset, seq_dim, interleaved, inverse);
+  rotate(b, op, q, q_out, table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+         mrope_interleaved);
+  rotate(b, op, k, k_out, table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+         mrope_interleaved);
 }
 
 inline int64_t check_qk_args(const char* op, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& table,
                              const std::optional<at::Tensor>& positions, int64_t offset,
-                             int64_t seq_dim) {
-  const int64_t sd = check_apply_args(op, "q", q, table, positions, offset, seq_dim);
-  check_apply_args(op, "k", k, table, positions, offset, seq_dim);
+                             int64_t seq_dim, at::OptionalIntArrayRef mrope_section,
+                             bool mrope_interleaved) {
+  const int64_t sd = check_apply_args(op, "q", q, table, positions, offset, seq_dim,
+                                      mrope_section, mrope_interleaved);
+  check_apply_args(op, "k", k, table, positions, offset, seq_dim, mrope_section,
+                   mrope_interleaved);
   check_qk_pair(op, q, k, sd);
   return sd;
 }
@@ -80,56 +89,67 @@ inline int64_t check_qk_args(const char* op, const at::Tensor& q, const at::Tens
 template <const Backend& B>
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& freqs_cis,
                         const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                        int64_t seq_dim, bool interleaved, bool inverse) {
+                        int64_t seq_dim, bool interleaved, bool inverse,
+                        at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
   constexpr const char* op = "apply_rotary";
   const int64_t off = offset.expect_int();
-  const int64_t sd = check_apply_args(op, "x", x, freqs_cis, positions, off, seq_dim);
+  const int64_t sd = check_apply_args(op, "x", x, freqs_cis, positions, off, seq_dim,
+                                      mrope_section, mrope_interleaved);
   detail::check_positions(B, op, positions, off, freqs_cis);
   at::Tensor out = at::empty_like(x);
-  detail::rotate(B, op, x, out, freqs_cis, positions, off, sd, interleaved, inverse);
+  detail::rotate(B, op, x, out, freqs_cis, positions, off, sd, interleaved, inverse,
+                 mrope_section, mrope_interleaved);
   return out;
 }
 
 template <const Backend& B>
 void apply_rotary_(const at::Tensor& x, const at::Tensor& freqs_cis,
                    const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                   int64_t seq_dim, bool interleaved, bool inverse) {
+                   int64_t seq_dim, bool interleaved, bool inverse,
+                   at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
   constexpr const char* op = "apply_rotary_";
   const int64_t off = offset.expect_int();
-  const int64_t sd = check_apply_args(op, "x", x, freqs_cis, positions, off, seq_dim);
+  const int64_t sd = check_apply_args(op, "x", x, freqs_cis, positions, off, seq_dim,
+                                      mrope_section, mrope_interleaved);
   check_inplace_target(op, "x", x);
   detail::check_positions(B, op, positions, off, freqs_cis);
-  detail::rotate(B, op, x, x, freqs_cis, positions, off, sd, interleaved, inverse);
+  detail::rotate(B, op, x, x, freqs_cis, positions, off, sd, interleaved, inverse,
+                 mrope_section, mrope_interleaved);
 }
 
 template <const Backend& B>
 std::tuple<at::Tensor, at::Tensor> apply_rotary_qk(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs_cis,
     const std::optional<at::Tensor>& positions, c10::SymInt offset, int64_t seq_dim,
-    bool interleaved, bool inverse) {
+    bool interleaved, bool inverse, at::OptionalIntArrayRef mrope_section,
+    bool mrope_interleaved) {
   constexpr const char* op = "apply_rotary_qk";
   const int64_t off = offset.expect_int();
-  const int64_t sd = detail::check_qk_args(op, q, k, freqs_cis, positions, off, seq_dim);
+  const int64_t sd = detail::check_qk_args(op, q, k, freqs_cis, positions, off, seq_dim,
+                                              mrope_section, mrope_interleaved);
   detail::check_positions(B, op, positions, off, freqs_cis);
   at::Tensor q_out = at::empty_like(q);
   at::Tensor k_out = at::empty_like(k);
   detail::rotate_qk(B, op, q, k, q_out, k_out, freqs_cis, positions, off, sd, interleaved,
-                    inverse);
+                    inverse, mrope_section, mrope_interleaved);
   return {q_out, k_out};
 }
 
 template <const Backend& B>
 void apply_rotary_qk_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& freqs_cis,
                       const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                      int64_t seq_dim, bool interleaved, bool inverse) {
+                      int64_t seq_dim, bool interleaved, bool inverse,
+                      at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
   constexpr const char* op = "apply_rotary_qk_";
   const int64_t off = offset.expect_int();
-  const int64_t sd = detail::check_qk_args(op, q, k, freqs_cis, positions, off, seq_dim);
+  const int64_t sd = detail::check_qk_args(op, q, k, freqs_cis, positions, off, seq_dim,
+                                              mrope_section, mrope_interleaved);
   check_inplace_target(op, "q", q);
   check_inplace_target(op, "k", k);
   check_qk_disjoint(op, q, k);
   detail::check_positions(B, op, positions, off, freqs_cis);
-  detail::rotate_qk(B, op, q, k, q, k, freqs_cis, positions, off, sd, interleaved, inverse);
+  detail::rotate_qk(B, op, q, k, q, k, freqs_cis, positions, off, sd, interleaved, inverse,
+                    mrope_section, mrope_interleaved);
 }
 
 template <const Backend& B>

@@ -35,6 +35,42 @@ void check_table(const char* op, const at::Tensor& table) {
       table.sizes());
 }
 
+// The MRoPE arguments: sections, and positions with a leading dim of one position per axis.
+void check_mrope(const char* op, const at::Tensor& table,
+                 const std::optional<at::Tensor>& positions,
+                 at::OptionalIntArrayRef mrope_section, bool mrope_interleaved) {
+  if (!mrope_section.has_value()) {
+    TORCH_CHECK_VALUE(!mrope_interleaved, op,
+                      ": mrope_interleaved=True needs mrope_section (3 section lengths)");
+    return;
+  }
+  const auto section = *mrope_section;
+  const int64_t axes = static_cast<int64_t>(section.size());
+  TORCH_CHECK_VALUE(axes >= 1 && axes <= kMaxMropeAxes, op, ": mrope_section must hold 1 to ",
+                    kMaxMropeAxes, " section lengths, got ", axes);
+  int64_t total = 0;
+  for (const int64_t n : section) {
+    TORCH_CHECK_VALUE(n >= 0, op, ": mrope_section lengths must be >= 0, got ", section);
+    total += n;
+  }
+  const int64_t pairs = table.size(1);
+  if (mrope_interleaved) {
+    TORCH_CHECK_VALUE(axes == 3, op,
+                      ": mrope_interleaved=True needs 3 sections (time, height, width), got ",
+                      axes);
+    TORCH_CHECK_VALUE(total <= pairs, op, ": mrope_section ", section, " sums to ", total,
+                      ", more than the R/2 = ", pairs, " pairs of freqs_cis");
+  } else {
+    TORCH_CHECK_VALUE(total == pairs, op, ": mrope_section ", section, " must sum to R/2 = ",
+                      pairs, " (freqs_cis.shape[1]), got ", total);
+  }
+  TORCH_CHECK_VALUE(positions.has_value(), op, ": mrope_section needs positions of shape [",
+                    axes, ", ...] (one position per axis), got none");
+  TORCH_CHECK_VALUE(positions->dim() >= 1 && positions->size(0) == axes, op,
+                    ": positions must have a leading dim of len(mrope_section) = ", axes,
+                    ", got shape ", positions->sizes());
+}
+
 }  // namespace
 
 int64_t check_apply_args(
@@ -44,7 +80,9 @@ int64_t check_apply_args(
     const at::Tensor& table,
     const std::optional<at::Tensor>& positions,
     int64_t offset,
-    int64_t seq_dim) {
+    int64_t seq_dim,
+    at::OptionalIntArrayRef mrope_section,
+    bool mrope_interleaved) {
   TORCH_CHECK_TYPE(
       is_supported_x_dtype(x.scalar_type()),
       op, ": ", name, " must be a float16, bfloat16, float32 or float64 tensor, got ",
@@ -69,6 +107,7 @@ int64_t check_apply_args(
       rotary_dim <= x.size(-1), op, ": rotary dim 2 * freqs_cis.shape[1] = ", rotary_dim,
       " exceeds ", name, "'s head_dim ", x.size(-1));
   TORCH_CHECK_VALUE(offset >= 0, op, ": offset must be >= 0, got ", offset);
+  check_mrope(op, table, positions, mrope_section, mrope_interleaved);
   if (positions.has_value()) {
     const at::Tensor& pos = *positions;
     TORCH_CHECK_TYPE(
@@ -78,13 +117,16 @@ int64_t check_apply_args(
         pos.device() == x.device(), op, ": positions is on ", pos.device(), " but ", name,
         " is on ", x.device());
     const auto lead = x.sizes().slice(0, ndim - 1);
-    bool broadcastable = pos.dim() <= static_cast<int64_t>(lead.size());
-    for (int64_t d = 1; broadcastable && d <= pos.dim(); ++d) {
-      const int64_t ps = pos.size(-d);
+    // With MRoPE the leading dim holds the axes; the rest broadcasts.
+    const auto rows = pos.sizes().slice(mrope_section.has_value() ? 1 : 0);
+    bool broadcastable = rows.size() <= lead.size();
+    for (size_t d = 1; broadcastable && d <= rows.size(); ++d) {
+      const int64_t ps = rows[rows.size() - d];
       broadcastable = ps == 1 || ps == lead[lead.size() - d];
     }
     TORCH_CHECK_VALUE(
         broadcastable, op, ": positions of shape ", pos.sizes(),
+        mrope_section.has_value() ? " (after its leading axis dim)" : "",
         " is not broadcastable to ", name, ".shape[:-1] = ", lead);
   } else {
     TORCH_CHECK_VALUE(
@@ -284,7 +326,9 @@ RotaryParams make_params(
     const std::optional<at::Tensor>& positions,
     int64_t offset,
     bool interleaved,
-    bool inverse) {
+    bool inverse,
+    at::OptionalIntArrayRef mrope_section,
+    bool mrope_interleaved) {
   RotaryParams p{};
   p.num_operands = 0;
   p.table = table.data_ptr();
@@ -301,6 +345,16 @@ RotaryParams make_params(
   p.offset = offset;
   p.interleaved = interleaved;
   p.inverse = inverse;
+  if (mrope_section.has_value()) {
+    p.mrope_axes = static_cast<int>(mrope_section->size());
+    p.mrope_interleaved = mrope_interleaved;
+    p.mrope_axis_stride = positions->stride(0);
+    int64_t end = 0;
+    for (int a = 0; a < p.mrope_axes; ++a) {
+      end += (*mrope_section)[a];
+      p.mrope_bounds[a] = mrope_interleaved ? 3 * (*mrope_section)[a] : end;
+    }
+  }
   return p;
 }
 
@@ -336,8 +390,11 @@ void add_operand(
     }
     int64_t pos_stride = 0;
     if (positions.has_value()) {
-      const int64_t pd = d - (lead - positions->dim());
-      pos_stride = (pd >= 0 && positions->size(pd) != 1) ? positions->stride(pd) : 0;
+      // With MRoPE, positions[0] (one axis) is what broadcasts against x.
+      const int64_t skip = p.mrope_axes > 0 ? 1 : 0;
+      const int64_t pd = d - (lead - (positions->dim() - skip));
+      pos_stride = (pd >= 0 && positions->size(pd + skip) != 1) ? positions->stride(pd + skip)
+                                                                  : 0;
     } else {
       pos_stride = d == seq_dim ? 1 : 0;
     }

@@ -14,6 +14,7 @@ namespace rope_ext {
 
 // Checks x against the table and the position arguments of one apply call and returns
 // seq_dim normalised to [0, x.dim() - 2], or -1 when positions are given (seq_dim unused).
+// With mrope_section, positions must be [A, *b] (see rope_ops.cpp).
 int64_t check_apply_args(
     const char* op,
     const char* name,
@@ -21,7 +22,9 @@ int64_t check_apply_args(
     const at::Tensor& table,
     const std::optional<at::Tensor>& positions,
     int64_t offset,
-    int64_t seq_dim);
+    int64_t seq_dim,
+    at::OptionalIntArrayRef mrope_section,
+    bool mrope_interleaved);
 
 // q and k of a fused call must agree on head_dim and, without positions (seq_dim >= 0, as
 // check_apply_args returns it), on their rank, batch and sequence dims.
@@ -42,7 +45,9 @@ RotaryParams make_params(
     const std::optional<at::Tensor>& positions,
     int64_t offset,
     bool interleaved,
-    bool inverse);
+    bool inverse,
+    at::OptionalIntArrayRef mrope_section,
+    bool mrope_interleaved);
 
 // Appends x (written to out) to p, merging leading dims where every stride allows it.
 // Does nothing for an empty x.

@@ -18,6 +18,9 @@ namespace rope_ext {
 // Leading (non-feature) dimensions a kernel handles after the host merged the mergeable ones.
 constexpr int kMaxDims = 8;
 
+// Position axes of multi-axis RoPE (MRoPE): Qwen2-VL's (time, height, width) take 3.
+constexpr int kMaxMropeAxes = 4;
+
 // One tensor to rotate. Sizes and strides are in elements.
 struct RotaryOperand {
   const void* x;  // [*sizes, head_dim]
@@ -51,6 +54,14 @@ struct RotaryParams {
   int64_t offset;
   bool interleaved;  // pairs (2i, 2i+1); else (i, i + R/2)
   bool inverse;      // rotate by the negative angle
+  // MRoPE: with mrope_axes = A > 0, positions carry a leading dim of A position axes (stride
+  // mrope_axis_stride) and pair i turns by the position of axis pair_axis(p, i).
+  // mrope_bounds: the cumulative section ends (contiguous sections), or 3 * section[a]
+  // (mrope_interleaved: Qwen3-VL's layout, A = 3).
+  int mrope_axes;
+  bool mrope_interleaved;
+  int64_t mrope_axis_stride;
+  int64_t mrope_bounds[kMaxMropeAxes];
 };
 
 // a * b + c and a * b - c, each rounded once. Named as at::vec names its own, so that for
@@ -102,6 +113,26 @@ ROPE_HD int64_t row_position(const RotaryParams& p, int64_t pos_offset) {
       ? static_cast<const int64_t*>(p.positions)[pos_offset]
       : static_cast<const int32_t*>(p.positions)[pos_offset];
   return p.offset + stored;
+}
+
+// The position axis pair i turns by (MRoPE; 0 without it). Contiguous sections: the section
+// holding i. Interleaved (Qwen3-VL): height when i % 3 == 1 and i < 3 * section[1], width
+// when i % 3 == 2 and i < 3 * section[2], time otherwise.
+ROPE_HD int pair_axis(const RotaryParams& p, int64_t i) {
+  if (p.mrope_interleaved) {
+    const int64_t r = i % 3;
+    return r != 0 && i < p.mrope_bounds[r] ? static_cast<int>(r) : 0;
+  }
+  int a = 0;
+  while (a + 1 < p.mrope_axes && i >= p.mrope_bounds[a]) {
+    ++a;
+  }
+  return a;
+}
+
+// Position of axis `axis` of a row whose positions offset is pos_offset (MRoPE).
+ROPE_HD int64_t axis_position(const RotaryParams& p, int64_t pos_offset, int axis) {
+  return row_position(p, pos_offset + axis * p.mrope_axis_stride);
 }
 
 // Inverse frequency of pair i for a rotary dim `dim`: theta^(-2i/dim), in double so that the

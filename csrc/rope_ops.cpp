@@ -38,27 +38,34 @@ TORCH_LIBRARY(rope_ext, m) {
 
   // Rotates x [..., head_dim] by freqs_cis; a row's position is offset + positions[...] with
   // positions (int32/int64, broadcastable to x.shape[:-1]), else offset + its index along
-  // seq_dim. Features [R, head_dim) pass through.
+  // seq_dim. Features [R, head_dim) pass through. MRoPE (Qwen2-VL and later): with
+  // mrope_section of A ints, positions is [A, *b] (*b broadcastable to x.shape[:-1]) and pair
+  // i turns by offset + positions[axis(i), ...]: axis(i) the section holding i (the sections
+  // sum to R/2), or with mrope_interleaved Qwen3-VL's interleaving (A = 3).
   m.def(
       "apply_rotary(Tensor x, Tensor freqs_cis, Tensor? positions=None, SymInt offset=0, "
-      "int seq_dim=1, bool interleaved=True, bool inverse=False) -> Tensor");
+      "int seq_dim=1, bool interleaved=True, bool inverse=False, int[]? mrope_section=None, "
+      "bool mrope_interleaved=False) -> Tensor");
   m.def(
       "apply_rotary_(Tensor(a!) x, Tensor freqs_cis, Tensor? positions=None, SymInt offset=0, "
-      "int seq_dim=1, bool interleaved=True, bool inverse=False) -> ()");
+      "int seq_dim=1, bool interleaved=True, bool inverse=False, int[]? mrope_section=None, "
+      "bool mrope_interleaved=False) -> ()");
   // q and k (head counts may differ) in one kernel launch.
   m.def(
       "apply_rotary_qk(Tensor q, Tensor k, Tensor freqs_cis, Tensor? positions=None, "
-      "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False) "
-      "-> (Tensor, Tensor)");
+      "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False, "
+      "int[]? mrope_section=None, bool mrope_interleaved=False) -> (Tensor, Tensor)");
   m.def(
       "apply_rotary_qk_(Tensor(a!) q, Tensor(b!) k, Tensor freqs_cis, Tensor? positions=None, "
-      "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False) -> ()");
+      "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False, "
+      "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
 
   // Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) with respect to freqs_cis, shaped
   // like freqs_cis. Composed of stock torch ops (rope_ext/_autograd.py).
   m.def(
       "rotary_table_grad(Tensor grad, Tensor x, Tensor freqs_cis, Tensor? positions, "
-      "SymInt offset, int seq_dim, bool interleaved, bool inverse) -> Tensor");
+      "SymInt offset, int seq_dim, bool interleaved, bool inverse, int[]? mrope_section, "
+      "bool mrope_interleaved) -> Tensor");
 
   // Tests: sm_count > 0 makes the CPU ops run the CUDA kernels emulated on the host, with
   // every memory access checked, on a GPU of sm_count SMs holding blocks_per_sm blocks each

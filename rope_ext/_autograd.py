@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from .api import is_dtensor
-from .reference import row_positions
+from .reference import pair_positions, row_positions
 
 _lib = torch.library.Library("rope_ext", "IMPL")
 
 
-def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse):
+def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse,
+                      mrope_section=None, mrope_interleaved=False):
     """Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) w.r.t. freqs_cis [P, R/2, 2].
 
     With y0 = x0 c - x1 s and y1 = x0 s + x1 c: dc = g0 x0 + g1 x1, ds = g1 x0 - g0 x1 (negated
@@ -25,10 +26,12 @@ def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleave
         from . import distributed
 
         return distributed.table_grad(rotary_table_grad, grad, x, freqs_cis, positions,
-                                      offset, seq_dim, interleaved, inverse)
+                                      offset, seq_dim, interleaved, inverse, mrope_section,
+                                      mrope_interleaved)
     if freqs_cis.is_complex():  # the gradient of the real view, as a complex tensor
         real = rotary_table_grad(grad, x, torch.view_as_real(freqs_cis), positions, offset,
-                                 seq_dim, interleaved, inverse)
+                                 seq_dim, interleaved, inverse, mrope_section,
+                                 mrope_interleaved)
         return torch.view_as_complex(real)
     pairs = freqs_cis.shape[1]
     rotary_dim = 2 * pairs
@@ -44,9 +47,16 @@ def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleave
     d_sin = g1 * x0 - g0 * x1
     if inverse:
         d_sin = -d_sin
+    contributions = torch.stack([d_cos, d_sin], -1).reshape(-1, pairs, 2)
+    if mrope_section is not None:  # each pair to the table row of its axis' position
+        rows = pair_positions(x.shape[:-1], pairs, positions, offset, mrope_section,
+                              mrope_interleaved).reshape(-1, pairs)
+        entries = rows * pairs + torch.arange(pairs, device=x.device)
+        flat = freqs_cis.new_zeros(freqs_cis.shape[0] * pairs, 2)
+        flat.index_add_(0, entries.reshape(-1), contributions.reshape(-1, 2))
+        return flat.view(freqs_cis.shape)
     seq_dim = seq_dim + x.dim() if seq_dim < 0 else seq_dim
     rows = row_positions(x.shape[:-1], positions, offset, seq_dim, x.device).reshape(-1)
-    contributions = torch.stack([d_cos, d_sin], -1).reshape(-1, pairs, 2)
     return torch.zeros_like(freqs_cis).index_add_(0, rows, contributions)
 
 

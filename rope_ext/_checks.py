@@ -95,6 +95,67 @@ def _check_table(op: str, table: torch.Tensor) -> None:
     )
 
 
+MAX_MROPE_AXES = 4  # kMaxMropeAxes (csrc/rope_math.h)
+
+
+def _check_mrope(op, table, positions, mrope_section, mrope_interleaved) -> None:
+    """The MRoPE arguments: sections, and positions with a leading dim of one per axis."""
+    if mrope_section is None:
+        _check(
+            ValueError,
+            not mrope_interleaved,
+            lambda: f"{op}: mrope_interleaved=True needs mrope_section (3 section lengths)",
+        )
+        return
+    section = list(mrope_section)
+    axes = len(section)
+    _check(
+        ValueError,
+        1 <= axes <= MAX_MROPE_AXES,
+        lambda: f"{op}: mrope_section must hold 1 to {MAX_MROPE_AXES} section lengths, "
+        f"got {axes}",
+    )
+    _check(
+        ValueError,
+        all(n >= 0 for n in section),
+        lambda: f"{op}: mrope_section lengths must be >= 0, got {section}",
+    )
+    pairs = table.shape[1]
+    total = sum(section)
+    if mrope_interleaved:
+        _check(
+            ValueError,
+            axes == 3,
+            lambda: f"{op}: mrope_interleaved=True needs 3 sections (time, height, width), "
+            f"got {axes}",
+        )
+        _check(
+            ValueError,
+            total <= pairs,
+            lambda: f"{op}: mrope_section {section} sums to {total}, more than the R/2 = "
+            f"{pairs} pairs of freqs_cis",
+        )
+    else:
+        _check(
+            ValueError,
+            total == pairs,
+            lambda: f"{op}: mrope_section {section} must sum to R/2 = {pairs} "
+            f"(freqs_cis.shape[1]), got {total}",
+        )
+    _check(
+        ValueError,
+        positions is not None,
+        lambda: f"{op}: mrope_section needs positions of shape [{axes}, ...] (one position "
+        "per axis), got none",
+    )
+    _check(
+        ValueError,
+        positions.dim() >= 1 and positions.shape[0] == axes,
+        lambda: f"{op}: positions must have a leading dim of len(mrope_section) = {axes}, "
+        f"got shape {list(positions.shape)}",
+    )
+
+
 def check_apply_args(
     op: str,
     name: str,
@@ -103,9 +164,12 @@ def check_apply_args(
     positions: torch.Tensor | None,
     offset,
     seq_dim: int,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
 ) -> int:
     """Returns seq_dim normalised to [0, x.dim() - 2], or -1 when positions are given
-    (they define every row's position; seq_dim then plays no part)."""
+    (they define every row's position; seq_dim then plays no part). With mrope_section,
+    positions is [A, *b], *b broadcasting to x.shape[:-1]."""
     _check(
         TypeError,
         x.dtype in X_DTYPES,
@@ -145,6 +209,7 @@ def check_apply_args(
         f"head_dim {x.shape[-1]}",
     )
     _check(ValueError, offset >= 0, lambda: f"{op}: offset must be >= 0, got {offset}")
+    _check_mrope(op, table, positions, mrope_section, mrope_interleaved)
     if positions is not None:
         _check(
         TypeError,
@@ -158,15 +223,17 @@ def check_apply_args(
             lambda: f"{op}: positions is on {positions.device} but {name} is on {x.device}",
         )
         lead = list(x.shape[:-1])
-        broadcastable = positions.dim() <= len(lead) and all(
-            positions.shape[-d] == 1 or positions.shape[-d] == lead[-d]
-            for d in range(1, positions.dim() + 1)
+        # With MRoPE the leading dim holds the axes; the rest broadcasts.
+        rows = list(positions.shape[1:] if mrope_section is not None else positions.shape)
+        broadcastable = len(rows) <= len(lead) and all(
+            rows[-d] == 1 or rows[-d] == lead[-d] for d in range(1, len(rows) + 1)
         )
+        after_axes = " (after its leading axis dim)" if mrope_section is not None else ""
         _check(
         ValueError,
             broadcastable,
-            lambda: f"{op}: positions of shape {list(positions.shape)} is not broadcastable "
-            f"to {name}.shape[:-1] = {lead}",
+            lambda: f"{op}: positions of shape {list(positions.shape)}{after_axes} is not "
+            f"broadcastable to {name}.shape[:-1] = {lead}",
         )
     else:
         _check(
@@ -202,9 +269,12 @@ def check_qk_pair(op: str, q: torch.Tensor, k: torch.Tensor, seq_dim: int) -> No
         )
 
 
-def check_qk_args(op, q, k, table, positions, offset, seq_dim) -> int:
-    sd = check_apply_args(op, "q", q, table, positions, offset, seq_dim)
-    check_apply_args(op, "k", k, table, positions, offset, seq_dim)
+def check_qk_args(op, q, k, table, positions, offset, seq_dim, mrope_section=None,
+                  mrope_interleaved=False) -> int:
+    sd = check_apply_args(op, "q", q, table, positions, offset, seq_dim, mrope_section,
+                          mrope_interleaved)
+    check_apply_args(op, "k", k, table, positions, offset, seq_dim, mrope_section,
+                     mrope_interleaved)
     check_qk_pair(op, q, k, sd)
     return sd
 

@@ -36,28 +36,36 @@ def _(out, inv_freq, magnitude):
 
 
 @torch.library.register_fake("rope_ext::apply_rotary")
-def _(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
-    _checks.check_apply_args("apply_rotary", "x", x, freqs_cis, positions, offset, seq_dim)
+def _(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False,
+      mrope_section=None, mrope_interleaved=False):
+    _checks.check_apply_args("apply_rotary", "x", x, freqs_cis, positions, offset, seq_dim,
+                             mrope_section, mrope_interleaved)
     return torch.empty_like(x)
 
 
 @torch.library.register_fake("rope_ext::apply_rotary_")
-def _(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
+def _(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False,
+      mrope_section=None, mrope_interleaved=False):
     op = "apply_rotary_"
-    _checks.check_apply_args(op, "x", x, freqs_cis, positions, offset, seq_dim)
+    _checks.check_apply_args(op, "x", x, freqs_cis, positions, offset, seq_dim, mrope_section,
+                             mrope_interleaved)
     _checks.check_inplace_target(op, "x", x)
 
 
 @torch.library.register_fake("rope_ext::apply_rotary_qk")
-def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
-    _checks.check_qk_args("apply_rotary_qk", q, k, freqs_cis, positions, offset, seq_dim)
+def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False,
+      mrope_section=None, mrope_interleaved=False):
+    _checks.check_qk_args("apply_rotary_qk", q, k, freqs_cis, positions, offset, seq_dim,
+                          mrope_section, mrope_interleaved)
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @torch.library.register_fake("rope_ext::apply_rotary_qk_")
-def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False):
+def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, inverse=False,
+      mrope_section=None, mrope_interleaved=False):
     op = "apply_rotary_qk_"
-    _checks.check_qk_args(op, q, k, freqs_cis, positions, offset, seq_dim)
+    _checks.check_qk_args(op, q, k, freqs_cis, positions, offset, seq_dim, mrope_section,
+                          mrope_interleaved)
     _checks.check_inplace_target(op, "q", q)
     _checks.check_inplace_target(op, "k", k)
     _checks.check_qk_disjoint(op, q, k)

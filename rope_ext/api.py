@@ -4,6 +4,7 @@ eager path (rope_ext.reference) where no native kernel serves the tensors' devic
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import torch
 
@@ -33,14 +34,15 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
-def _dtensor_inputs(op, xs, table, positions, offset, seq_dim):
+def _dtensor_inputs(op, xs, table, positions, offset, seq_dim, mrope_section):
     """table, positions for a call whose inputs may be DTensors (rope_ext.distributed): as
     given for plain tensors."""
     if not is_dtensor(xs[0]):
         return table, positions
     from . import distributed
 
-    return distributed.prepare(op, xs, _real_table(table), positions, offset, seq_dim)
+    return distributed.prepare(op, xs, _real_table(table), positions, offset, seq_dim,
+                               mrope_section)
 
 
 def native_available() -> bool:
@@ -147,12 +149,15 @@ def rope_frequencies(
     return torch.ops.rope_ext.rope_frequencies.default(dim, theta, **scaling)
 
 
-def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inplace):
+def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inplace,
+                     mrope_section, mrope_interleaved):
     """The checks the native op would make, in its order, for the eager path."""
     if len(tensors) == 2:
-        _checks.check_qk_args(op, *tensors, table, positions, offset, seq_dim)
+        _checks.check_qk_args(op, *tensors, table, positions, offset, seq_dim, mrope_section,
+                              mrope_interleaved)
     else:
-        _checks.check_apply_args(op, names[0], tensors[0], table, positions, offset, seq_dim)
+        _checks.check_apply_args(op, names[0], tensors[0], table, positions, offset, seq_dim,
+                                 mrope_section, mrope_interleaved)
     if inplace:
         for t, name in zip(tensors, names):
             _checks.check_inplace_target(op, name, t)
@@ -172,6 +177,8 @@ def apply_rotary(
     interleaved: bool = True,
     inverse: bool = False,
     inplace: bool = False,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> torch.Tensor:
     """Rotates the pairs of x's last dim by the angles in freqs_cis.
 
@@ -185,21 +192,33 @@ def apply_rotary(
             and Hugging Face's rotate_half.
         inverse: rotate by the negative angle (undoes a rotation).
         inplace: write into x and return it.
+        mrope_section: multi-axis RoPE (Qwen2-VL and later) with A = len(mrope_section)
+            position axes: positions is then [A, *b] (*b broadcastable to x.shape[:-1]) and
+            pair i turns by offset + positions[axis(i), ...], axis(i) the section holding i
+            (the sections sum to R/2), e.g. [16, 24, 24] for (time, height, width).
+        mrope_interleaved: Qwen3-VL's layout instead (A = 3): pair i takes height when
+            i % 3 == 1 and i < 3 * section[1], width when i % 3 == 2 and i < 3 * section[2],
+            time otherwise.
     """
+    mrope_section = None if mrope_section is None else list(mrope_section)
     table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
-                                       _table_arg(freqs_cis), positions, offset, seq_dim)
+                                       _table_arg(freqs_cis), positions, offset, seq_dim,
+                                       mrope_section)
     if _native.serves(x):
-        args = (table, positions, offset, seq_dim, interleaved, inverse)
+        args = (table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+                mrope_interleaved)
         if inplace:
             torch.ops.rope_ext.apply_rotary_.default(x, *args)
             return x
         return torch.ops.rope_ext.apply_rotary.default(x, *args)
     op = "apply_rotary_" if inplace else "apply_rotary"
-    _fallback_checks(op, (x,), ("x",), table, positions, offset, seq_dim, inplace)
+    _fallback_checks(op, (x,), ("x",), table, positions, offset, seq_dim, inplace,
+                     mrope_section, mrope_interleaved)
     _native.warn_fallback(x.device)
     return reference.apply_rotary(
         x, table, positions=positions, offset=offset, seq_dim=seq_dim,
         interleaved=interleaved, inverse=inverse, inplace=inplace,
+        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
     )
 
 
@@ -214,28 +233,34 @@ def apply_rotary_qk(
     interleaved: bool = True,
     inverse: bool = False,
     inplace: bool = False,
+    mrope_section: Sequence[int] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary on q and k in one kernel launch; their head counts may differ (GQA).
 
     q and k must agree on head_dim; without positions also on their rank, dim 0 (batch) and
     seq_dim, while with positions each need only broadcast with them (seq_dim then plays no
     part). With inplace=True they must not overlap each other. DTensor q and k: see
-    rope_ext.distributed.
+    rope_ext.distributed. mrope_section / mrope_interleaved: as for apply_rotary.
     """
+    mrope_section = None if mrope_section is None else list(mrope_section)
     table, positions = _dtensor_inputs("apply_rotary_qk_" if inplace else "apply_rotary_qk",
                                        [q, k], _table_arg(freqs_cis), positions, offset,
-                                       seq_dim)
+                                       seq_dim, mrope_section)
     if _native.serves(q):
-        args = (table, positions, offset, seq_dim, interleaved, inverse)
+        args = (table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+                mrope_interleaved)
         if inplace:
             torch.ops.rope_ext.apply_rotary_qk_.default(q, k, *args)
             return q, k
         return torch.ops.rope_ext.apply_rotary_qk.default(q, k, *args)
     op = "apply_rotary_qk_" if inplace else "apply_rotary_qk"
-    _fallback_checks(op, (q, k), ("q", "k"), table, positions, offset, seq_dim, inplace)
+    _fallback_checks(op, (q, k), ("q", "k"), table, positions, offset, seq_dim, inplace,
+                     mrope_section, mrope_interleaved)
     _native.warn_fallback(q.device)
     kwargs = dict(positions=positions, offset=offset, seq_dim=seq_dim,
-                  interleaved=interleaved, inverse=inverse, inplace=inplace)
+                  interleaved=interleaved, inverse=inverse, inplace=inplace,
+                  mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
     return reference.apply_rotary(q, table, **kwargs), reference.apply_rotary(k, table, **kwargs)
 
 

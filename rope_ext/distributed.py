@@ -34,15 +34,15 @@ from torch.distributed.tensor.experimental import register_sharding
 OPS = torch.ops.rope_ext
 
 
-def _positions_placement(x_ndim: int, positions_shape, d: int):
+def _positions_placement(x_ndim: int, positions_shape, d: int, skip: int = 0):
     """The placement positions need when x is sharded on its dim d: sharded on the dim that
     lines up with d (from the right, as they broadcast), replicated where they broadcast
-    along it."""
-    pd = d - (x_ndim - 1 - len(positions_shape))
-    return Shard(pd) if pd >= 0 and positions_shape[pd] != 1 else Replicate()
+    along it. skip: leading dims that do not broadcast (MRoPE's axis dim: 1)."""
+    pd = d - (x_ndim - 1 - (len(positions_shape) - skip))
+    return Shard(pd + skip) if pd >= 0 and positions_shape[pd + skip] != 1 else Replicate()
 
 
-def _strategies(xs, positions, seq_dim):
+def _strategies(xs, positions, seq_dim, skip=0):
     """(output placements, input placements of the tensors xs, table, positions) for one mesh
     dim: all replicated, all partial, or every x sharded on a leading dim its rows share."""
     ndim = len(xs[0].shape)
@@ -57,27 +57,30 @@ def _strategies(xs, positions, seq_dim):
         if not all(0 <= e < len(x.shape) - 1 for e, x in zip(dims, xs)):
             continue
         placements = [Shard(e) for e in dims]
-        pos = None if positions is None else _positions_placement(ndim, positions.shape, d)
+        pos = None if positions is None else _positions_placement(ndim, positions.shape, d,
+                                                                  skip)
         out.append((placements, placements + [Replicate(), pos]))
     return out
 
 
 def _outputs(strategies, inplace):
-    # The in-place ops return nothing; the four non-tensor arguments take no placement.
-    return [([] if inplace else outputs, inputs + [None] * 4) for outputs, inputs in strategies]
+    # The in-place ops return nothing; the six non-tensor arguments take no placement.
+    return [([] if inplace else outputs, inputs + [None] * 6) for outputs, inputs in strategies]
 
 
 def _rule(inplace: bool):
     def rule(x, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True,
-             inverse=False):
-        return _outputs(_strategies([x], positions, seq_dim), inplace)
+             inverse=False, mrope_section=None, mrope_interleaved=False):
+        skip = 0 if mrope_section is None else 1
+        return _outputs(_strategies([x], positions, seq_dim, skip), inplace)
     return rule
 
 
 def _qk_rule(inplace: bool):
     def rule(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True,
-             inverse=False):
-        return _outputs(_strategies([q, k], positions, seq_dim), inplace)
+             inverse=False, mrope_section=None, mrope_interleaved=False):
+        skip = 0 if mrope_section is None else 1
+        return _outputs(_strategies([q, k], positions, seq_dim, skip), inplace)
     return rule
 
 
@@ -117,13 +120,14 @@ def _wrap(t: torch.Tensor, mesh, placements) -> DTensor:
                               stride=t.stride())
 
 
-def _follow(x: DTensor, positions_shape) -> list:
+def _follow(x: DTensor, positions_shape, skip: int = 0) -> list:
     """Placements for positions (broadcasting to x.shape[:-1]) that match x's."""
-    return [_positions_placement(x.dim(), positions_shape, p.dim) if isinstance(p, Shard)
+    return [_positions_placement(x.dim(), positions_shape, p.dim, skip) if isinstance(p, Shard)
             else Replicate() for p in x.placements]
 
 
-def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim):
+def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim,
+            mrope_section=None):
     """The table and positions for a call on DTensors xs, as the sharding rules take them."""
     if op.endswith("_") and not INPLACE_SUPPORTED:
         raise NotImplementedError(
@@ -148,6 +152,7 @@ def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim):
         raise ValueError(f"{op}: freqs_cis is on device mesh {table.device_mesh} but the "
                          f"inputs on {mesh}")
     sd = seq_dim + ndim if seq_dim < 0 else seq_dim
+    skip = 0 if mrope_section is None else 1  # MRoPE positions: [A, *b]
     if positions is None and any(isinstance(p, Shard) and p.dim % ndim == sd
                                  for x in xs for p in x.placements):
         # Context parallel: each rank's rows get their global positions.
@@ -157,13 +162,13 @@ def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim):
         positions = _wrap(positions, mesh, _follow(xs[0], positions.shape))
     elif positions is not None and not isinstance(positions, DTensor):
         # This rank's positions, placed like x (torchtitan's _maybe_wrap_positions).
-        positions = DTensor.from_local(positions, mesh, _follow(xs[0], positions.shape),
+        positions = DTensor.from_local(positions, mesh, _follow(xs[0], positions.shape, skip),
                                        run_check=False)
     elif positions is not None:
         if positions.device_mesh != mesh:
             raise ValueError(f"{op}: positions are on device mesh {positions.device_mesh} "
                              f"but the inputs on {mesh}")
-        want = _follow(xs[0], positions.shape)
+        want = _follow(xs[0], positions.shape, skip)
         if list(positions.placements) != want:
             raise ValueError(f"{op}: positions are placed {tuple(positions.placements)} but "
                              f"{'q' if len(xs) == 2 else 'x'} {tuple(xs[0].placements)} needs "
@@ -171,7 +176,8 @@ def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim):
     return table, positions
 
 
-def table_grad(local_fn, grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse):
+def table_grad(local_fn, grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse,
+               mrope_section=None, mrope_interleaved=False):
     """rotary_table_grad on DTensors: each rank sums the contributions of its own rows, and
     the table's gradient is their sum over the ranks that hold different rows or parts of a
     partial x (Partial), replicated where every rank holds the same rows."""
@@ -191,7 +197,7 @@ def table_grad(local_fn, grad, x, freqs_cis, positions, offset, seq_dim, interle
     table = freqs_cis.full_tensor() if isinstance(freqs_cis, DTensor) else freqs_cis
     local = local_fn(grad.to_local(), x.to_local(), table,
                      None if positions is None else positions.to_local(), offset, seq_dim,
-                     interleaved, inverse)
+                     interleaved, inverse, mrope_section, mrope_interleaved)
     result = DTensor.from_local(local, mesh, out, run_check=False)
     if isinstance(freqs_cis, DTensor):  # the gradient placed as its table
         return result.redistribute(mesh, freqs_cis.placements)

@@ -80,6 +80,34 @@ def row_positions(
     return index.view(shape).expand(lead_shape)
 
 
+def mrope_pair_axes(pairs: int, mrope_section, mrope_interleaved: bool = False) -> list[int]:
+    """The position axis each of the R/2 rotary pairs turns by (MRoPE): the contiguous
+    sections in order (Qwen2-VL, Qwen2.5-VL), or Qwen3-VL's interleaving: height when
+    i % 3 == 1 and i < 3 * section[1], width when i % 3 == 2 and i < 3 * section[2], time
+    otherwise."""
+    section = list(mrope_section)
+    if mrope_interleaved:
+        return [i % 3 if i % 3 and i < 3 * section[i % 3] else 0 for i in range(pairs)]
+    return [a for a, n in enumerate(section) for _ in range(n)]
+
+
+def pair_positions(
+    lead_shape: torch.Size | list[int],
+    pairs: int,
+    positions: torch.Tensor,
+    offset,
+    mrope_section,
+    mrope_interleaved: bool,
+) -> torch.Tensor:
+    """int64 position of every pair of every row [*lead_shape, R/2] under MRoPE: pair i of
+    a row takes offset + positions[axis(i), ...]."""
+    axes = torch.tensor(mrope_pair_axes(pairs, mrope_section, mrope_interleaved),
+                        device=positions.device)
+    per_axis = torch.stack([(p.to(torch.int64) + offset).expand(lead_shape)
+                            for p in positions.unbind(0)])  # [A, *lead_shape]
+    return per_axis[axes].movedim(0, -1)
+
+
 def apply_rotary(
     x: torch.Tensor,
     freqs_cis: torch.Tensor,
@@ -90,6 +118,8 @@ def apply_rotary(
     interleaved: bool = True,
     inverse: bool = False,
     inplace: bool = False,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
 ) -> torch.Tensor:
     """rope_ext.apply_rotary by complex multiplication (arguments assumed checked)."""
     table = as_complex(freqs_cis)
@@ -99,8 +129,13 @@ def apply_rotary(
     real = torch.float64 if x.dtype == torch.float64 else torch.float32
     cplx = torch.complex128 if real == torch.float64 else torch.complex64
 
-    rows = row_positions(x.shape[:-1], positions, offset, seq_dim, x.device)
-    rotation = table.to(cplx)[rows]  # [*x.shape[:-1], R/2]
+    if mrope_section is not None:
+        rows = pair_positions(x.shape[:-1], pairs, positions, offset, mrope_section,
+                              mrope_interleaved)
+        rotation = table.to(cplx)[rows, torch.arange(pairs, device=x.device)]
+    else:
+        rows = row_positions(x.shape[:-1], positions, offset, seq_dim, x.device)
+        rotation = table.to(cplx)[rows]  # [*x.shape[:-1], R/2]
     if inverse:
         rotation = rotation.conj()
     xr = x[..., :rotary_dim].to(real)

@@ -70,12 +70,26 @@ def make_case(layout, dtype, head_dim, gen):
         return randn(1, 3, 70, D), randn(1, 3, 6, D), dict()
     if layout == "empty":
         return randn(2, 0, 4, D), randn(2, 0, 2, D), dict()
+    if layout == "bsd":  # no head dim: LLaMA's [B, S, D]
+        return randn(2, 7, D), randn(2, 7, D), dict(seq_dim=1)
+    if layout == "positions_offset":
+        return randn(2, 5, 4, D), randn(2, 5, 2, D), dict(positions=randint(2, 5, 1) // 2,
+                                                          offset=P // 2)
+    if layout == "bhsd_positions":  # the head dim between the token dims
+        return (randn(2, 4, 5, D), randn(2, 2, 5, D),
+                dict(positions=randint(2, 1, 5, dtype=torch.int32)))
+    if layout == "expanded_positions":  # as transformers and torchtitan pass them
+        return (randn(2, 5, 4, D), randn(2, 5, 2, D),
+                dict(positions=randint(1, 5, 1).expand(2, 5, 1)))
+    if layout == "different_ranks":  # with positions, q and k need only broadcast
+        return randn(2, 5, 4, D), randn(5, 2, D), dict(positions=randint(5, 1))
     raise ValueError(layout)
 
 
 LAYOUTS = ["bshd", "bhsd", "positions_int32", "packed", "decode", "offset",
            "positions_per_head", "fused_qkv", "misaligned", "strided_features", "many_heads",
-           "empty"]
+           "empty", "bsd", "positions_offset", "bhsd_positions", "expanded_positions",
+           "different_ranks"]
 # (head_dim, rotary_dim): full, partial (pass-through), odd widths for the scalar path.
 WIDTHS = [(128, 128), (128, 64), (80, 80), (72, 40), (6, 4)]
 
@@ -137,14 +151,76 @@ def test_matches_cpu_kernel(dtype, interleaved, head_dim, rotary_dim, layout):
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
-def test_grid_stride_and_inverse(interleaved, dtype):
-    """One resident block, so each thread walks many blocks; q and k in one launch; inverse."""
+@pytest.mark.parametrize("layout", ["bshd", "misaligned"])
+def test_grid_stride_and_inverse(interleaved, dtype, layout):
+    """One resident block, so each thread walks many blocks; q and k in one launch; inverse,
+    on the vector and the scalar path."""
     gen = torch.Generator().manual_seed(1)
-    q, k, kwargs = make_case("bshd", dtype, 128, gen)
+    q, k, kwargs = make_case(layout, dtype, 128, gen)
     table = rope_ext.precompute_freqs_cis(128, P)
     for inverse in (False, True):
         launches = check("qk", q, k, table, kwargs, interleaved, inverse, gpu=SMALL_GPU)
         assert "grid=1 " in launches[0], launches[0]
+
+
+# The residency each kind of kernel gets on an H200: 2 blocks (scalar, MRoPE), 4 (small
+# vector kernels), and a small GPU.
+@pytest.mark.parametrize("gpu", [(132, 2), (132, 4), (8, 3)], ids=str)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "decode", "many_heads", "misaligned"])
+def test_other_occupancies(gpu, layout):
+    gen = torch.Generator().manual_seed(7)
+    q, k, kwargs = make_case(layout, torch.bfloat16, 128, gen)
+    table = rope_ext.precompute_freqs_cis(64, P)  # partial rotary: pass-through lanes too
+    for op in ("qk", "qk_"):
+        check(op, q, k, table, kwargs, False, gpu=gpu)
+
+
+def test_expanded_x_out_of_place():
+    """A stride-0 x (expand) is fine out of place: every thread reads, none writes, x."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 5, 1, 128, generator=gen).bfloat16().expand(2, 5, 4, 128)
+    k = torch.randn(2, 5, 2, 128, generator=gen).bfloat16()
+    table = rope_ext.precompute_freqs_cis(128, P)
+    for interleaved in (True, False):
+        check("qk", x, k, table, {}, interleaved)
+        check("x", x, None, table, {}, interleaved)
+
+
+MROPE = {"qwen2": dict(mrope_section=[16, 24, 24]),
+         "qwen3": dict(mrope_section=[24, 20, 20], mrope_interleaved=True)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "packed", "misaligned"])
+def test_mrope_matches_cpu_kernel(dtype, interleaved, variant, layout):
+    """MRoPE: positions [3, ...], each pair's (cos, sin) from its axis' table row."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, kwargs = make_case(layout, dtype, 128, gen)
+    lead = {"bshd": (2, 7, 1), "bhsd": (2, 1, 7), "packed": (13, 1), "misaligned": (2, 5, 1)}
+    kwargs = dict(positions=torch.randint(0, P, (3, *lead[layout]), generator=gen),
+                  seq_dim=kwargs.get("seq_dim", 1), **MROPE[variant])
+    table = rope_ext.precompute_freqs_cis(128, P)
+    for op in ("qk", "qk_", "x", "x_"):
+        want = call_mrope(op, q, k, table, kwargs, interleaved)
+        with emulated() as launches:
+            got = call_mrope(op, q, k, table, kwargs, interleaved)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (g - w).abs().max()
+        assert len(launches) == 1 and "mrope=1" in launches[0], launches
+        assert f"vector={int(layout != 'misaligned')}" in launches[0], launches[0]
+
+
+def call_mrope(op, q, k, table, kwargs, interleaved):
+    inplace = op.endswith("_")
+    q = copy_with_layout(q) if inplace else q
+    if op.startswith("qk"):
+        k = copy_with_layout(k) if inplace else k
+        return rope_ext.apply_rotary_qk(q, k, table, inplace=inplace, interleaved=interleaved,
+                                        **kwargs)
+    return (rope_ext.apply_rotary(q, table, inplace=inplace, interleaved=interleaved,
+                                  **kwargs),)
 
 
 @pytest.mark.parametrize("table_kind", ["float64", "complex64", "rows_sliced", "pairs_strided"])
@@ -191,20 +267,36 @@ def test_decode_spreads_heads_over_threads():
     assert re.search(r"op0=\(heads=32 tokens=2048 .* rows_per_thread=4", launches[0]), launches[0]
 
 
-def test_offsets_beyond_32_bits():
-    """A view whose elements lie more than 2**31 elements into its storage: 64-bit offsets.
-    The storage is allocated but only the view's pages are touched."""
-    big = torch.empty(2**31 + 4096, dtype=torch.bfloat16)
-    x = big.as_strided((2, 1, 2, 128), (2**31 + 1024, 128, 256, 1))  # second row past 2**31
-    x.copy_(torch.randn(2, 1, 2, 128, generator=torch.Generator().manual_seed(5)))
-    table = rope_ext.precompute_freqs_cis(128, P)
-    args = (table, None, 3, 1, False, False)
-    want = torch.ops.rope_ext.apply_rotary(x.contiguous(), *args)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("path", ["vector", "scalar"])
+def test_offsets_beyond_32_bits(interleaved, path):
+    """Views whose elements lie more than 2**31 elements into their storage: 64-bit offsets,
+    for x alone and q and k in one launch, with pass-through features out of place. The
+    storage is allocated but only the views' pages are touched."""
+    big = torch.empty(2**31 + 8192, dtype=torch.bfloat16)
+    shift = 1 if path == "scalar" else 0  # one element off 16-byte alignment
+    x = big.as_strided((2, 1, 2, 128), (2**31 + 1024, 128, 256, 1), shift)
+    k = big.as_strided((2, 1, 1, 128), (2**31 + 1024, 128, 128, 1), 4096 + shift)
+    gen = torch.Generator().manual_seed(5)
+    x.copy_(torch.randn(2, 1, 2, 128, generator=gen))
+    k.copy_(torch.randn(2, 1, 1, 128, generator=gen))
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(96, P))  # partial rotary
+    args = (table, None, 3, 1, interleaved, False)
+    ops = torch.ops.rope_ext
+    want_x = ops.apply_rotary(x.contiguous(), *args)
+    want_k = ops.apply_rotary(k.contiguous(), *args)
     with emulated() as launches:
-        got = torch.ops.rope_ext.apply_rotary(x, *args)
-        torch.ops.rope_ext.apply_rotary_(x, *args)
-    assert torch.equal(got, want) and torch.equal(x, want)
-    assert len(launches) == 2 and all("index=64 " in line for line in launches), launches
+        got_x, got_k = ops.apply_rotary_qk(x, k, *args)
+        ops.apply_rotary_(x, *args)
+        ops.apply_rotary_qk_(x[:, :, :1], k, *args)
+    assert torch.equal(got_x, want_x) and torch.equal(got_k, want_k)
+    # x was rotated alone, then its first head again, with k (once), in one launch.
+    again = ops.apply_rotary(want_x[:, :, :1].contiguous(), *args)
+    assert torch.equal(x[:, :, 1:], want_x[:, :, 1:]) and torch.equal(x[:, :, :1], again)
+    assert torch.equal(k, want_k)
+    assert len(launches) == 3, launches
+    for line in launches:
+        assert "index=64 " in line and f"vector={int(path == 'vector')}" in line, line
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

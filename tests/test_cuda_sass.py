@@ -4,10 +4,11 @@ fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this canno
 
 - No rotary kernel spills or uses local memory.
 - On the vector path every global store is a 16-byte STG.E.128, and so is every load but the
-  row's position (one int32 or int64 load).
+  row's position (one int32 or int64 load) and, where a lane's (cos, sin) are not one 16-byte
+  vector (MRoPE, or float64 x with a float32 table), the table's.
 - Registers: the vector kernels are built for 3 blocks of 256 threads per SM (768 resident
-  threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar kernels for 2
-  (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
+  threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar and MRoPE
+  kernels for 2 (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
 """
 
 import os
@@ -46,8 +47,8 @@ def _kernels():
 @pytest.fixture(scope="module")
 def rotary_kernels():
     kernels = [k for k in _kernels() if k.name.startswith("void rotary_kernel<")]
-    # 4 element types x 2 table types x 2 pairings x vector/scalar x 32/64-bit offsets
-    assert len(kernels) == 64, [k.name for k in kernels]
+    # 4 element types x 2 table types x 2 pairings x vector/scalar x MRoPE or not x 32/64-bit
+    assert len(kernels) == 128, [k.name for k in kernels]
     return kernels
 
 
@@ -55,7 +56,8 @@ SIZES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8}
 
 
 def template_args(kernel):
-    """rotary_kernel<scalar_t, table_t, kInterleaved, kVector, index_t> -> its arguments."""
+    """rotary_kernel<scalar_t, table_t, kInterleaved, kVector, kMrope, index_t> -> its
+    arguments."""
     return re.search(r"rotary_kernel<(.*)>\(", kernel.name).group(1).split(", ")
 
 
@@ -63,11 +65,18 @@ def is_vector(kernel):
     return template_args(kernel)[3] == "true"
 
 
+def is_mrope(kernel):
+    return template_args(kernel)[4] == "true"
+
+
 def narrow_loads_allowed(kernel):
-    """The position (an int32 or an int64 load), and a lane's (cos, sin) when they do not
-    fill a 16-byte vector (float64 x with a float32 table, interleaved: one pair per lane)."""
+    """The position (an int32 or an int64 load; MRoPE: one per axis, up to 4), and the (cos,
+    sin) of a lane when they are not one 16-byte vector: MRoPE (each pair from its axis' table
+    row) and float64 x with a float32 table, interleaved (one pair per lane)."""
     scalar, table, interleaved = template_args(kernel)[:3]
     pairs = 16 // SIZES[scalar] // (2 if interleaved == "true" else 1)
+    if is_mrope(kernel):
+        return 2 * 4 + 2 * pairs
     table_bytes = pairs * 2 * SIZES[table]
     return 2 + (2 * pairs if table_bytes % 16 else 0)
 
@@ -87,5 +96,5 @@ def test_vector_path_moves_16_bytes_per_access(rotary_kernels):
 
 def test_register_budget(rotary_kernels):
     for k in rotary_kernels:
-        budget = 80 if is_vector(k) else 128
+        budget = 80 if is_vector(k) and not is_mrope(k) else 128
         assert 0 < k.registers <= budget, (k.name, k.registers)

@@ -197,6 +197,18 @@ struct Rotation {
       sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
     }
   }
+
+  // MRoPE: pair i from table row rows[pair_axis(p, i)].
+  template <typename table_t>
+  void load_mrope(const table_t* table, const int64_t* rows, const RotaryParams& p) {
+    const opmath sign = p.inverse ? opmath(-1) : opmath(1);
+    for (int64_t i = 0; i < p.rot_pairs; ++i) {
+      const table_t* entry =
+          table + rows[pair_axis(p, i)] * p.table_row_stride + i * p.table_pair_stride;
+      cos[i] = static_cast<opmath>(entry[0]);
+      sin[i] = sign * static_cast<opmath>(entry[p.table_cs_stride]);
+    }
+  }
 };
 
 // A table row read where it lies: (cos, sin) side by side in opmath, the real view of a
@@ -588,17 +600,35 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
   std::vector<scalar_t> buffer;  // one strided row, gathered
   int64_t cached_position = -1;
   const auto* table = static_cast<const table_t*>(p.table);
-  // Rows whose positions all differ read a contiguous opmath table in place.
+  // Rows whose positions all differ read a contiguous opmath table in place (not MRoPE, whose
+  // rows mix table rows).
   const opmath* direct_table = nullptr;
   if constexpr (std::is_same_v<table_t, opmath>) {
-    if (p.table_pair_stride == 2 && p.table_cs_stride == 1) {
+    if (p.table_pair_stride == 2 && p.table_cs_stride == 1 && p.mrope_axes == 0) {
       direct_table = table;
     }
   }
-  auto use_position = [&](int64_t position) {
-    if (position != cached_position) {
-      rotation.load(table + position * p.table_row_stride, p);
-      cached_position = position;
+  int64_t cached_axes[kMaxMropeAxes];  // MRoPE: the positions of the rotation loaded
+  // Loads the rotation of the row whose positions offset is pos_offset, unless loaded.
+  auto use_position = [&](int64_t pos_offset) {
+    if (p.mrope_axes == 0) {
+      const int64_t position = row_position(p, pos_offset);
+      if (position != cached_position) {
+        rotation.load(table + position * p.table_row_stride, p);
+        cached_position = position;
+      }
+      return;
+    }
+    int64_t rows[kMaxMropeAxes];
+    bool same = cached_position == 0;
+    for (int a = 0; a < p.mrope_axes; ++a) {
+      rows[a] = axis_position(p, pos_offset, a);
+      same = same && rows[a] == cached_axes[a];
+    }
+    if (!same) {
+      rotation.load_mrope(table, rows, p);
+      std::copy(rows, rows + p.mrope_axes, cached_axes);
+      cached_position = 0;  // cached_axes holds a rotation
     }
   };
 
@@ -629,7 +659,7 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
       const scalar_t* xr = x + cursor.x();
       scalar_t* outr = out + cursor.out();
       if (contiguous && shared && span_fn != nullptr) {
-        use_position(row_position(p, cursor.pos()));
+        use_position(cursor.pos());
         span_fn(xr, outr, span, xs, os, rotation, pairs, op.head_dim);
       } else {
         for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
@@ -642,7 +672,7 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
             continue;
           }
           if (j == 0 || !shared) {
-            use_position(row_position(p, cursor.pos() + j * ps));
+            use_position(cursor.pos() + j * ps);
           }
           if (contiguous) {
             rotate_contiguous_row<scalar_t, kInterleaved>(xr, outr, rotation, pairs,

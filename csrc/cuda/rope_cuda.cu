@@ -50,11 +50,12 @@ struct DeviceMem {
   }
 };
 
-template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
-__global__ void __launch_bounds__(kThreads, cuda_kernel::min_blocks_per_sm(kVector))
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, bool kMrope,
+          typename index_t>
+__global__ void __launch_bounds__(kThreads, cuda_kernel::min_blocks_per_sm(kVector, kMrope))
     rotary_kernel(const cuda_kernel::KernelParams kp) {
   DeviceMem mem;
-  cuda_kernel::rotary_thread<scalar_t, table_t, kInterleaved, kVector, index_t>(
+  cuda_kernel::rotary_thread<scalar_t, table_t, kInterleaved, kVector, kMrope, index_t>(
       kp, blockIdx.x, threadIdx.x, gridDim.x, mem);
 }
 
@@ -82,30 +83,32 @@ int sm_count(int device) {
   return counts[device];
 }
 
-// Blocks of `kernel` (kThreads threads) one SM of `device` holds at once, asked once per
-// kernel and device.
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel, int device) {
-  static std::mutex mutex;
-  static std::vector<int> blocks;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(blocks.size())) {
-    blocks.resize(device + 1, 0);
-  }
-  if (blocks[device] == 0) {
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks[device], kernel,
-                                                                 kThreads, 0));
-    blocks[device] = std::max(blocks[device], 1);
-  }
-  return blocks[device];
-}
-
-template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, bool kMrope,
+          typename index_t>
 struct LaunchRotary {
+  static constexpr auto kernel =
+      &rotary_kernel<scalar_t, table_t, kInterleaved, kVector, kMrope, index_t>;
+
+  // Blocks of this kernel (kThreads threads) one SM of `device` holds at once, asked once per
+  // kernel and device (a cache per instantiation: the kernels' registers differ).
+  static int blocks_per_sm(int device) {
+    static std::mutex mutex;
+    static std::vector<int> blocks;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (device >= static_cast<int>(blocks.size())) {
+      blocks.resize(device + 1, 0);
+    }
+    if (blocks[device] == 0) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks[device], kernel,
+                                                                   kThreads, 0));
+      blocks[device] = std::max(blocks[device], 1);
+    }
+    return blocks[device];
+  }
+
   static void run(const RotaryParams& p, const int& device) {
-    auto* kernel = &rotary_kernel<scalar_t, table_t, kInterleaved, kVector, index_t>;
     const cuda_kernel::LaunchPlan plan = cuda_kernel::plan_rotary(
-        p, sizeof(scalar_t), sizeof(table_t), sm_count(device), blocks_per_sm(kernel, device));
+        p, sizeof(scalar_t), sizeof(table_t), sm_count(device), blocks_per_sm(device));
     kernel<<<plan.grid, kThreads, 0, c10::cuda::getCurrentCUDAStream(device)>>>(plan.k);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

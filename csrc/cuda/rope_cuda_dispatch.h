@@ -1,6 +1,6 @@
 // Which instantiation of the rotary thread function a call runs: element and table types,
-// pairing, vector or scalar path, 32- or 64-bit offsets. Shared by the CUDA launcher and its
-// host emulation, so that both pick the same kernel for the same call.
+// pairing, vector or scalar path, MRoPE or not, 32- or 64-bit offsets. Shared by the CUDA
+// launcher and its host emulation, so that both pick the same kernel for the same call.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -21,9 +21,10 @@ void with_bool(bool value, F&& f) {
   }
 }
 
-// Calls Run<scalar_t, table_t, kInterleaved, kVector, index_t>::run(p, args...) for the
-// kernel that serves p (x_dtype, table_dtype: the types behind its pointers).
-template <template <typename, typename, bool, bool, typename> class Run, typename... Args>
+// Calls Run<scalar_t, table_t, kInterleaved, kVector, kMrope, index_t>::run(p, args...)
+// for the kernel that serves p (x_dtype, table_dtype: the types behind its pointers).
+template <template <typename, typename, bool, bool, bool, typename> class Run,
+          typename... Args>
 void dispatch_rotary(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
                      Args&... args) {
   const size_t elem = c10::elementSize(x_dtype);
@@ -35,10 +36,12 @@ void dispatch_rotary(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarTy
       using table_t = scalar_t;
       with_bool(p.interleaved, [&](auto interleaved) {
         with_bool(vector, [&](auto vec) {
-          with_bool(wide, [&](auto wide_index) {
-            using index_t = std::conditional_t<decltype(wide_index)::value, int64_t, int32_t>;
-            Run<row_t, table_t, decltype(interleaved)::value, decltype(vec)::value,
-                index_t>::run(p, args...);
+          with_bool(p.mrope_axes > 0, [&](auto mrope) {
+            with_bool(wide, [&](auto wide_index) {
+              using index_t = std::conditional_t<decltype(wide_index)::value, int64_t, int32_t>;
+              Run<row_t, table_t, decltype(interleaved)::value, decltype(vec)::value,
+                  decltype(mrope)::value, index_t>::run(p, args...);
+            });
           });
         });
       });

@@ -6,7 +6,7 @@
 // launch the emulated CUDA kernels instead of the CPU kernels, on the same checked arguments.
 // A launch fails (RuntimeError) when a thread
 //   - reads anything but an element of x, the table or positions, or an element of out that
-//     some thread already wrote (a race on a GPU);
+//     some thread already wrote, or writes one another thread read (races on a GPU);
 //   - makes a 16-byte access at an address that is not 16-byte aligned;
 //   - writes anything but an element of out;
 // and, after the launch, unless every element of out was written exactly once (pass-through
@@ -109,7 +109,11 @@ class CheckedMem {
     uint8_t size = 0;
     int expected = 0;
     int writes = 0;
+    int64_t reader = -1;        // the thread that read it (in place), if one did
+    bool many_readers = false;  // more than one thread read it
   };
+
+  int64_t thread_id() const { return block_ * kThreads + thread_; }
 
   std::string where() const {
     std::ostringstream s;
@@ -123,8 +127,12 @@ class CheckedMem {
   // The size of the element at a (size: what the access expects, 0 = any), or raises.
   size_t check_read(uintptr_t a, size_t size) {
     const auto w = writes_.find(a);
-    TORCH_CHECK(w == writes_.end() || w->second.writes == 0, where(),
-                " read an element of out that was already written (a race on a GPU)");
+    if (w != writes_.end()) {  // in place: x and out are the same elements
+      TORCH_CHECK(w->second.writes == 0, where(),
+                  " read an element of out that was already written (a race on a GPU)");
+      w->second.many_readers |= w->second.reader >= 0 && w->second.reader != thread_id();
+      w->second.reader = thread_id();
+    }
     const auto r = readable_.find(a);
     TORCH_CHECK(r != readable_.end() && (size == 0 || r->second == size), where(),
                 " read outside x, freqs_cis and positions (", size == 0 ? 16 : size,
@@ -136,6 +144,11 @@ class CheckedMem {
     const auto w = writes_.find(a);
     TORCH_CHECK(w != writes_.end() && (size == 0 || w->second.size == size), where(),
                 " wrote outside out (", size == 0 ? 16 : size, " bytes at address ", a, ")");
+    // Whichever thread runs first on a GPU, an element read by another thread than its
+    // writer is a race (the emulation runs threads in one order and would not see it).
+    TORCH_CHECK(!w->second.many_readers &&
+                    (w->second.reader < 0 || w->second.reader == thread_id()),
+                where(), " wrote an element of out that another thread read (a race on a GPU)");
     ++w->second.writes;
     ++stores_;
     return w->second.size;
@@ -170,7 +183,11 @@ void map_memory(CheckedMem& mem, const RotaryParams& p, size_t elem, size_t tabl
       }
       if (p.positions != nullptr) {
         const size_t pos_elem = p.positions_int64 ? 8 : 4;
-        mem.allow_read(static_cast<const char*>(p.positions) + off.pos * pos_elem, pos_elem);
+        for (int a = 0; a < std::max(p.mrope_axes, 1); ++a) {
+          mem.allow_read(static_cast<const char*>(p.positions) +
+                             (off.pos + a * p.mrope_axis_stride) * pos_elem,
+                         pos_elem);
+        }
       }
     }
   }
@@ -184,7 +201,8 @@ void map_memory(CheckedMem& mem, const RotaryParams& p, size_t elem, size_t tabl
   }
 }
 
-template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, bool kMrope,
+          typename index_t>
 struct EmulateRotary {
   static void run(const RotaryParams& p) {
     const cuda_kernel::LaunchPlan plan = cuda_kernel::plan_rotary(
@@ -195,14 +213,14 @@ struct EmulateRotary {
     for (int64_t block = 0; block < plan.grid; ++block) {
       for (int32_t thread = 0; thread < kThreads; ++thread) {
         mem.at(block, thread);
-        cuda_kernel::rotary_thread<scalar_t, table_t, kInterleaved, kVector, index_t>(
+        cuda_kernel::rotary_thread<scalar_t, table_t, kInterleaved, kVector, kMrope, index_t>(
             plan.k, block, thread, plan.grid, mem);
       }
     }
     mem.check_all_written();
     const cuda_kernel::KernelParams& k = plan.k;
     std::ostringstream s;
-    s << "rotary vector=" << kVector << " index=" << 8 * sizeof(index_t)
+    s << "rotary vector=" << kVector << " mrope=" << kMrope << " index=" << 8 * sizeof(index_t)
       << " interleaved=" << kInterleaved << " grid=" << plan.grid << " blocks=" << k.blocks
       << " lane_threads=" << k.lane_threads;
     for (int o = 0; o < p.num_operands; ++o) {

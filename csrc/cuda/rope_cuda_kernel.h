@@ -119,9 +119,10 @@ ROPE_HD constexpr int rows_per_batch(bool vector, bool interleaved, bool short_o
 
 // Blocks each SM must hold at once, which bounds registers per thread (65536 per SM): the
 // vector path keeps 3 (768 threads, 48 KB of loads in flight per SM, ~1.7x what covers HBM3e
-// latency at full bandwidth on an H200), so at most 80 registers; the scalar path 2 (128).
-ROPE_HD constexpr int min_blocks_per_sm(bool vector) {
-  return vector ? 3 : 2;
+// latency at full bandwidth on an H200), so at most 80 registers; the scalar path and MRoPE
+// (a table row per pair) 2, so at most 128.
+ROPE_HD constexpr int min_blocks_per_sm(bool vector, bool mrope) {
+  return vector && !mrope ? 3 : 2;
 }
 
 // Pairs per thread on the scalar path: 4 (2 in float64, for registers).
@@ -135,11 +136,18 @@ ROPE_HD T smaller(T a, T b) {
   return a < b ? a : b;
 }
 
+// The stored position at positions offset pos_offset.
+template <typename Mem>
+ROPE_HD int64_t load_position(const RotaryParams& p, int64_t pos_offset, Mem& mem) {
+  return p.positions_int64 ? mem.load(static_cast<const int64_t*>(p.positions) + pos_offset)
+                           : mem.load(static_cast<const int32_t*>(p.positions) + pos_offset);
+}
+
 // The rotation of one thread of a rotary launch: blocks block, block + grid, ... of the plan.
 // Mem performs the memory accesses (plain loads and stores on the device; checked ones in the
 // host emulation).
-template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t,
-          typename Mem>
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, bool kMrope,
+          typename index_t, typename Mem>
 ROPE_HD void rotary_thread(const KernelParams& kp, int64_t block, int32_t thread, int64_t grid,
                            Mem& mem) {
   using opmath = opmath_t<scalar_t>;
@@ -257,42 +265,68 @@ ROPE_HD void rotary_thread(const KernelParams& kp, int64_t block, int32_t thread
         return;
       }
 
-      const int64_t stored = p.positions == nullptr ? pos_off
-                             : p.positions_int64
-                                 ? mem.load(static_cast<const int64_t*>(p.positions) + pos_off)
-                                 : mem.load(static_cast<const int32_t*>(p.positions) + pos_off);
-      const int64_t position = p.offset + stored;
-      mem.check_position(position >= 0 && position < p.table_rows);
       const index_t pair0 = static_cast<index_t>(lane) * kPairs;
       const int32_t pairs =
           kVector ? kPairs : static_cast<int32_t>(smaller<int64_t>(kPairs, p.rot_pairs - pair0));
-      const table_t* entry = static_cast<const table_t*>(p.table) +
-                             position * p.table_row_stride + pair0 * p.table_pair_stride;
+      const auto* table = static_cast<const table_t*>(p.table);
       opmath c[kPairs], s[kPairs];
-      if constexpr (kTableVecOk) {
-        constexpr int kPerVec = kChunkBytes / sizeof(table_t);
+      if constexpr (kMrope) {
+        // Each pair from the table row of its axis' position: element loads.
+        int64_t rows[kMaxMropeAxes];
 #pragma unroll
-        for (int v = 0; v < kTableVecs; ++v) {
-          const Bits128 t = mem.load128(entry + v * kPerVec);
-#pragma unroll
-          for (int e = 0; e < kPerVec; e += 2) {
-            c[(v * kPerVec + e) / 2] = static_cast<opmath>(Packed<table_t>::get(t, e));
-            s[(v * kPerVec + e) / 2] = static_cast<opmath>(Packed<table_t>::get(t, e + 1));
+        for (int a = 0; a < kMaxMropeAxes; ++a) {
+          rows[a] = 0;
+          if (a < p.mrope_axes) {
+            rows[a] = p.offset + load_position(p, pos_off + a * p.mrope_axis_stride, mem);
+            mem.check_position(rows[a] >= 0 && rows[a] < p.table_rows);
           }
         }
-      } else {
 #pragma unroll
         for (int j = 0; j < kPairs; ++j) {
           if (j < pairs) {
-            const table_t* e = entry + j * p.table_pair_stride;
+            const int axis = pair_axis(p, pair0 + j);
+            // Constant indices only, so rows stays in registers.
+            const int64_t row = axis == 0 ? rows[0] : axis == 1 ? rows[1]
+                                : axis == 2 ? rows[2] : rows[3];
+            const table_t* e =
+                table + row * p.table_row_stride + (pair0 + j) * p.table_pair_stride;
             c[j] = static_cast<opmath>(mem.load(e));
             s[j] = static_cast<opmath>(mem.load(e + p.table_cs_stride));
+          }
+        }
+      } else {
+        const int64_t position =
+            p.offset + (p.positions == nullptr ? pos_off : load_position(p, pos_off, mem));
+        mem.check_position(position >= 0 && position < p.table_rows);
+        const table_t* entry =
+            table + position * p.table_row_stride + pair0 * p.table_pair_stride;
+        if constexpr (kTableVecOk) {
+          constexpr int kPerVec = kChunkBytes / sizeof(table_t);
+#pragma unroll
+          for (int v = 0; v < kTableVecs; ++v) {
+            const Bits128 t = mem.load128(entry + v * kPerVec);
+#pragma unroll
+            for (int e = 0; e < kPerVec; e += 2) {
+              c[(v * kPerVec + e) / 2] = static_cast<opmath>(Packed<table_t>::get(t, e));
+              s[(v * kPerVec + e) / 2] = static_cast<opmath>(Packed<table_t>::get(t, e + 1));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kPairs; ++j) {
+            if (j < pairs) {
+              const table_t* e = entry + j * p.table_pair_stride;
+              c[j] = static_cast<opmath>(mem.load(e));
+              s[j] = static_cast<opmath>(mem.load(e + p.table_cs_stride));
+            }
           }
         }
       }
       if (p.inverse) {
 #pragma unroll
-        for (int j = 0; j < kPairs; ++j) s[j] = -s[j];
+        for (int j = 0; j < kPairs; ++j) {
+          if (j < pairs) s[j] = -s[j];
+        }
       }
 
       // Feature of element e of half h of this lane's span.
@@ -428,11 +462,12 @@ inline bool vectorisable(const RotaryParams& p, int64_t n, size_t elem) {
 }
 
 // Whether the call takes the 16-byte path: rows vectorisable, and the table readable as the
-// vector kernel reads it (16-byte vectors of (cos, sin) pairs, when a lane's pairs fill them).
+// vector kernel reads it (16-byte vectors of (cos, sin) pairs, when a lane's pairs fill them;
+// MRoPE reads the table element by element).
 inline bool use_vector_path(const RotaryParams& p, size_t elem, size_t table_elem) {
   const int64_t n = kChunkBytes / static_cast<int64_t>(elem);
   const int64_t lane_bytes = (p.interleaved ? n / 2 : n) * 2 * static_cast<int64_t>(table_elem);
-  const bool table_ok = lane_bytes % kChunkBytes != 0 ||
+  const bool table_ok = p.mrope_axes > 0 || lane_bytes % kChunkBytes != 0 ||
                         (p.table_pair_stride == 2 && p.table_cs_stride == 1 &&
                          reinterpret_cast<uintptr_t>(p.table) % kChunkBytes == 0 &&
                          p.table_row_stride * static_cast<int64_t>(table_elem) % kChunkBytes == 0);
@@ -450,6 +485,10 @@ inline bool use_vector_path(const RotaryParams& p, size_t elem, size_t table_ele
 inline int64_t largest_offset(const RotaryParams& p) {
   int64_t largest = p.table_rows * p.table_row_stride + p.rot_pairs * p.table_pair_stride +
                     p.table_cs_stride;
+  int64_t rows = 0;  // the block loop's b + grid stays below twice the blocks, at most rows
+  for (int o = 0; o < p.num_operands; ++o) {
+    rows += p.operands[o].rows;
+  }
   for (int o = 0; o < p.num_operands; ++o) {
     const RotaryOperand& op = p.operands[o];
     int64_t x = (op.head_dim - 1) * op.x_feature_stride;
@@ -460,7 +499,8 @@ inline int64_t largest_offset(const RotaryParams& p) {
       out += (op.sizes[d] - 1) * op.out_strides[d];
       pos += (op.sizes[d] - 1) * op.pos_strides[d];
     }
-    largest = std::max({largest, x, out, pos, 2 * op.rows + kThreads});  // block loop: b + grid
+    pos += (p.mrope_axes > 0 ? p.mrope_axes - 1 : 0) * p.mrope_axis_stride;
+    largest = std::max({largest, x, out, pos, 2 * rows + kThreads});
   }
   return largest;
 }
