@@ -24,7 +24,7 @@ import torch
 from rope_ext import benchmark
 from rope_ext.benchmark import Case
 
-SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim")
+SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim", "mrope")
 
 
 def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
@@ -49,6 +49,8 @@ def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
         return [c(1, 4096, 32, 8, 128, rotary_dim=64, name="partial rotary")]
     if suite == "head_dim":
         return [c(1, 2048, 32, 8, d, name="head_dim") for d in (64, 80, 128, 256)]
+    if suite == "mrope":  # Qwen2.5-VL-7B's attention, text + image positions
+        return [c(1, 4096, 28, 4, 128, mrope=True, name="MRoPE")]
     raise ValueError(suite)
 
 

@@ -58,6 +58,7 @@ class Case:
     rotary_dim: int | None = None  # partial rotary when < head_dim
     decode_offset: int = 0  # positions start here (KV-cache decode)
     varlen: bool = False  # one packed batch of sequences, positions restarting per sequence
+    mrope: bool = False  # Qwen2-VL's MRoPE: text, an image grid, text (see mrope_positions)
     name: str = ""
 
     @property
@@ -79,7 +80,26 @@ class Inputs:
     freqs_cis: torch.Tensor  # complex [P, R/2]
     cos: torch.Tensor  # [S, R] in q's dtype, HF's half-split form
     sin: torch.Tensor
-    positions: torch.Tensor | None  # [1, S, 1] for varlen cases
+    positions: torch.Tensor | None  # [1, S, 1] for varlen cases; [3, 1, S, 1] for MRoPE
+
+
+MROPE_SECTION = [16, 24, 24]  # Qwen2-VL / Qwen2.5-VL (time, height, width), R = 128
+
+
+def mrope_positions(seq: int) -> torch.Tensor:
+    """[3, seq] positions as transformers' get_rope_index lays out a text + image + text
+    sequence: a quarter text (equal axes), an image grid of half the tokens (time fixed,
+    height and width counting rows and columns from the text's end), then text again,
+    continuing after the grid's larger side."""
+    text = seq // 4
+    rows = 16
+    cols = (seq - 2 * text) // rows
+    image = rows * cols
+    t = torch.arange(text)
+    h, w = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    grid = torch.stack([torch.full((image,), text), text + h.reshape(-1), text + w.reshape(-1)])
+    after = text + max(rows, cols) + torch.arange(seq - text - image)
+    return torch.cat([t.expand(3, -1), grid, after.expand(3, -1)], 1)
 
 
 def packed_positions(total: int, gen: torch.Generator) -> torch.Tensor:
@@ -101,7 +121,10 @@ def make_inputs(case: Case) -> Inputs:
 
     table = api.precompute_freqs_cis(rot, case.decode_offset + case.seq, device=case.device)
     positions = None
-    if case.varlen:
+    if case.mrope:
+        positions = mrope_positions(case.seq).to(case.device).view(3, 1, case.seq, 1)
+        rows = torch.view_as_real(table[: case.seq])  # plain RoPE's rows, for the HF providers
+    elif case.varlen:
         positions = packed_positions(case.seq, gen).to(case.device)
         rows = torch.view_as_real(table[positions])
         positions = positions.view(1, case.seq, 1)
@@ -139,9 +162,65 @@ def _compiled_fn(name: str, fn: Callable) -> Callable:
     return _compiled[name]
 
 
+def _qwen2_vl(case: Case):
+    """transformers' Qwen2-VL text rotary path (the rotary module builds cos/sin per token from
+    [3, B, S] position ids, then apply_rotary_pos_emb), or None without transformers."""
+    try:
+        from transformers import Qwen2VLTextConfig
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+    except ImportError:
+        return None
+    config = Qwen2VLTextConfig(hidden_size=case.q_heads * case.head_dim,
+                               num_attention_heads=case.q_heads, num_key_value_heads=case.k_heads,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": MROPE_SECTION})
+    rotary = m.Qwen2VLRotaryEmbedding(config).to(case.device)
+    apply = m.apply_rotary_pos_emb  # looked up now: rope_ext.hf.enable() may swap it later
+
+    def step(q, k, position_ids):  # q, k [B, H, S, D]
+        cos, sin = rotary(q, position_ids)
+        return apply(q, k, cos, sin)
+
+    return step
+
+
+def _mrope_providers(case: Case, inputs: Inputs, include_compile: bool):
+    q, k, table, positions = inputs.q, inputs.k, inputs.freqs_cis, inputs.positions
+    buffers = (torch.empty_like(q), torch.empty_like(k))
+    plain = torch.arange(case.seq, device=q.device).view(1, case.seq, 1)
+    mrope = dict(positions=positions, interleaved=False, mrope_section=MROPE_SECTION)
+    qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    positions_h = positions.transpose(2, 3)  # [3, B, 1, S] against [B, H, S, D]
+    out: dict[str, Callable[[], object]] = {
+        "copy_ (bound, in-place)": lambda: (buffers[0].copy_(q), buffers[1].copy_(k)),
+        "clone (bound, out-of-place)": lambda: (q.clone(), k.clone()),
+        "rope_ext plain RoPE": lambda: api.apply_rotary_qk(q, k, table, positions=plain,
+                                                           interleaved=False),
+        "rope_ext MRoPE": lambda: api.apply_rotary_qk(q, k, table, **mrope),
+        "rope_ext MRoPE in-place": lambda: api.apply_rotary_qk(q, k, table, inplace=True,
+                                                               **mrope),
+        "rope_ext MRoPE [B,H,S,D]": lambda: api.apply_rotary_qk(
+            qh, kh, table, positions=positions_h, interleaved=False,
+            mrope_section=MROPE_SECTION),
+        "rope_ext MRoPE interleaved (Qwen3-VL)": lambda: api.apply_rotary_qk(
+            q, k, table, positions=positions, interleaved=False, mrope_section=[24, 20, 20],
+            mrope_interleaved=True),
+    }
+    step = _qwen2_vl(case)
+    if step is not None:
+        position_ids = positions[..., 0]  # [3, B, S]
+        out["eager Qwen2-VL (HF)"] = lambda: step(qh, kh, position_ids)
+        if include_compile:
+            compiled = _compiled_fn("qwen2_vl", step)
+            out["compiled Qwen2-VL (HF)"] = lambda: compiled(qh, kh, position_ids)
+    return out
+
+
 def providers(case: Case, inputs: Inputs, include_compile: bool = True,
               include_backward: bool = False) -> dict[str, Callable[[], object]]:
     """name -> zero-argument callable, for one case. Third-party kernels join when importable."""
+    if case.mrope:
+        return _mrope_providers(case, inputs, include_compile)
     q, k, table = inputs.q, inputs.k, inputs.freqs_cis
     where = dict(offset=case.decode_offset, positions=inputs.positions)
     buffers = (torch.empty_like(q), torch.empty_like(k))

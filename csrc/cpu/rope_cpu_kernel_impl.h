@@ -177,36 +177,64 @@ struct Rotation {
 
   template <typename table_t>
   void load(const table_t* entry, const RotaryParams& p) {
+    load_pairs(entry, 0, p.rot_pairs, p);
+  }
+
+  // Pairs [begin, end) from the table row at entry.
+  template <typename table_t>
+  void load_pairs(const table_t* entry, int64_t begin, int64_t end, const RotaryParams& p) {
     using V = Vectorized<opmath>;
     constexpr int64_t kV = V::size();
     const opmath sign = p.inverse ? opmath(-1) : opmath(1);
-    int64_t i = 0;
+    int64_t i = begin;
     if constexpr (std::is_same_v<table_t, opmath>) {
       // The real view of a contiguous complex row: (cos, sin) side by side.
       if (p.table_pair_stride == 2 && p.table_cs_stride == 1) {
-        for (; i + kV <= p.rot_pairs; i += kV) {
+        for (; i + kV <= end; i += kV) {
           auto [c, s] = at::vec::deinterleave2(V::loadu(entry + 2 * i),
                                                V::loadu(entry + 2 * i + kV));
           c.store(cos + i);
           (s * V(sign)).store(sin + i);
         }
+        if (i < end) {  // the tail, with partial loads and stores
+          const int64_t n = end - i;
+          auto [c, s] = at::vec::deinterleave2(
+              V::loadu(entry + 2 * i, std::min<int64_t>(2 * n, kV)),
+              V::loadu(entry + 2 * i + kV, std::max<int64_t>(2 * n - kV, 0)));
+          c.store(cos + i, n);
+          (s * V(sign)).store(sin + i, n);
+          return;
+        }
       }
     }
-    for (; i < p.rot_pairs; ++i) {
+    for (; i < end; ++i) {
       cos[i] = static_cast<opmath>(entry[i * p.table_pair_stride]);
       sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
     }
   }
 
-  // MRoPE: pair i from table row rows[pair_axis(p, i)].
+  // MRoPE: pair i from table row rows[pair_axis(p, i)]. Contiguous sections load as
+  // segments of their rows; Qwen3-VL's interleaving loads the time row, then puts the height
+  // and width pairs (every third below 3 * section) over it.
   template <typename table_t>
   void load_mrope(const table_t* table, const int64_t* rows, const RotaryParams& p) {
-    const opmath sign = p.inverse ? opmath(-1) : opmath(1);
-    for (int64_t i = 0; i < p.rot_pairs; ++i) {
-      const table_t* entry =
-          table + rows[pair_axis(p, i)] * p.table_row_stride + i * p.table_pair_stride;
-      cos[i] = static_cast<opmath>(entry[0]);
-      sin[i] = sign * static_cast<opmath>(entry[p.table_cs_stride]);
+    const int64_t step = p.table_row_stride;
+    if (p.mrope_interleaved) {
+      load_pairs(table + rows[0] * step, 0, p.rot_pairs, p);
+      const opmath sign = p.inverse ? opmath(-1) : opmath(1);
+      for (int a = 1; a < 3; ++a) {
+        const table_t* entry = table + rows[a] * step;
+        for (int64_t i = a; i < std::min(p.mrope_bounds[a], p.rot_pairs); i += 3) {
+          cos[i] = static_cast<opmath>(entry[i * p.table_pair_stride]);
+          sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
+        }
+      }
+      return;
+    }
+    int64_t begin = 0;
+    for (int a = 0; a < p.mrope_axes; ++a) {
+      load_pairs(table + rows[a] * step, begin, p.mrope_bounds[a], p);
+      begin = p.mrope_bounds[a];
     }
   }
 };
@@ -626,7 +654,15 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
       same = same && rows[a] == cached_axes[a];
     }
     if (!same) {
-      rotation.load_mrope(table, rows, p);
+      bool one_row = true;  // text tokens: every axis at one position, plain RoPE
+      for (int a = 1; a < p.mrope_axes; ++a) {
+        one_row = one_row && rows[a] == rows[0];
+      }
+      if (one_row) {
+        rotation.load(table + rows[0] * p.table_row_stride, p);
+      } else {
+        rotation.load_mrope(table, rows, p);
+      }
       std::copy(rows, rows + p.mrope_axes, cached_axes);
       cached_position = 0;  // cached_axes holds a rotation
     }
