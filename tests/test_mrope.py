@@ -219,3 +219,24 @@ def test_pair_axes():
     assert reference.mrope_pair_axes(8, [2, 3, 3]) == [0, 0, 1, 1, 1, 2, 2, 2]
     # Qwen3-VL: height on i % 3 == 1 below 3 * 2, width on i % 3 == 2 below 3 * 1.
     assert reference.mrope_pair_axes(9, [4, 2, 1], True) == [0, 1, 2, 0, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("kw", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_layouts_agree_bitwise(kw, dtype):
+    """[B, H, S, D] (the CPU gathers a table per token first) and [B, S, H, D] (the kernel
+    mixes each token's rows itself) give the same bits, as does the packed [T, H, D] form."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 9, 4, 128, generator=gen).to(dtype)
+    k = torch.randn(2, 9, 2, 128, generator=gen).to(dtype)
+    positions = torch.randint(0, P, (3, 2, 9), generator=gen)
+    table = rope_ext.precompute_freqs_cis(128, P)
+    bshd = rope_ext.apply_rotary_qk(q, k, table, positions=positions[..., None],
+                                    interleaved=False, **kw)
+    bhsd = rope_ext.apply_rotary_qk(q.transpose(1, 2), k.transpose(1, 2), table,
+                                    positions=positions[:, :, None], interleaved=False, **kw)
+    packed = rope_ext.apply_rotary_qk(q.flatten(0, 1), k.flatten(0, 1), table,
+                                      positions=positions.flatten(1, 2)[..., None],
+                                      interleaved=False, **kw)
+    for a, b, c in zip(bshd, bhsd, packed):
+        assert torch.equal(a, b.transpose(1, 2)) and torch.equal(a.flatten(0, 1), c)

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/ops/aminmax.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -124,6 +125,89 @@ void walk_heads_together(RotaryOperand& op, int64_t row_bytes, bool inplace) {
   move(op.pos_strides);
 }
 
+// Whether every operand's innermost leading dim holds rows of one position (the heads of a
+// token in [B, S, H, D]), so the kernel rotates a token's rows as one span.
+bool tokens_innermost(const RotaryParams& p) {
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    if (op.ndim > 0 && op.pos_strides[op.ndim - 1] != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// MRoPE where a token's rows are not walked together (Hugging Face's [B, H, S, D]): each row
+// would gather its rotation from A table rows anew. Instead, the rotation of every distinct
+// positions entry is gathered once into a table of its own, indexed by the entry's offset
+// in positions, and the call becomes plain RoPE on it (no positions, offset 0). Its entries
+// are copies of the table's, so the results are the same bits. Returns the gathered table.
+template <typename table_t>
+at::Tensor gather_mrope_rows(RotaryParams& p, at::ScalarType table_dtype) {
+  // The distinct offsets into positions: the dims that step through them.
+  std::vector<int64_t> offsets;
+  int64_t extent = 0;
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    std::vector<int64_t> sizes, strides;
+    for (int64_t d = 0; d < op.ndim; ++d) {
+      if (op.pos_strides[d] != 0 && op.sizes[d] > 1) {
+        sizes.push_back(op.sizes[d]);
+        strides.push_back(op.pos_strides[d]);
+      }
+    }
+    std::vector<int64_t> index(sizes.size(), 0);
+    for (int64_t at = 0;;) {
+      offsets.push_back(at);
+      extent = std::max(extent, at + 1);
+      int64_t d = static_cast<int64_t>(sizes.size()) - 1;
+      for (; d >= 0 && ++index[d] == sizes[d]; --d) {
+        at -= (sizes[d] - 1) * strides[d];
+        index[d] = 0;
+      }
+      if (d < 0) {
+        break;
+      }
+      at += strides[d];
+    }
+  }
+  std::sort(offsets.begin(), offsets.end());
+  offsets.erase(std::unique(offsets.begin(), offsets.end()), offsets.end());
+
+  const int64_t pairs = p.rot_pairs;
+  std::vector<int> axes(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    axes[i] = pair_axis(p, i);
+  }
+  at::Tensor gathered = at::empty({extent, pairs, 2}, at::TensorOptions().dtype(table_dtype));
+  auto* out = gathered.data_ptr<table_t>();
+  const auto* table = static_cast<const table_t*>(p.table);
+  at::parallel_for(0, static_cast<int64_t>(offsets.size()), 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const int64_t at = offsets[n];
+      const table_t* rows[kMaxMropeAxes];
+      for (int a = 0; a < p.mrope_axes; ++a) {
+        rows[a] = table + axis_position(p, at, a) * p.table_row_stride;
+      }
+      table_t* row = out + at * 2 * pairs;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const table_t* entry = rows[axes[i]] + i * p.table_pair_stride;
+        row[2 * i] = entry[0];
+        row[2 * i + 1] = entry[p.table_cs_stride];
+      }
+    }
+  });
+  p.table = out;
+  p.table_rows = extent;
+  p.table_row_stride = 2 * pairs;
+  p.table_pair_stride = 2;
+  p.table_cs_stride = 1;
+  p.positions = nullptr;
+  p.offset = 0;
+  p.mrope_axes = 0;
+  return gathered;
+}
+
 void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType table_dtype,
             c10::Device) {
   if (cuda_emulation::active()) {
@@ -131,6 +215,12 @@ void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType t
     return;
   }
   RotaryParams p = params;
+  at::Tensor gathered;  // an MRoPE table gathered per positions entry, alive through the call
+  if (p.mrope_axes > 0 && !tokens_innermost(p)) {
+    AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_gather_mrope", [&] {
+      gathered = gather_mrope_rows<scalar_t>(p, table_dtype);
+    });
+  }
   for (int o = 0; o < p.num_operands; ++o) {
     RotaryOperand& op = p.operands[o];
     walk_heads_together(op, op.head_dim * c10::elementSize(x_dtype), op.out == op.x);
