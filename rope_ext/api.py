@@ -282,6 +282,63 @@ def positions_from_cu_seqlens(
     return (tokens - cu_seqlens[sequence]).unsqueeze(-1)
 
 
+def mrope_positions(
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    *,
+    spatial_merge_size: int = 2,
+    video_time_interval: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MRoPE positions [3, *mm_token_type_ids.shape] (time, height, width) of text + image +
+    video sequences, as transformers' get_rope_index of Qwen2-VL, Qwen2.5-VL and Qwen3-VL lays
+    them out, for `positions=` with `mrope_section`.
+
+    mm_token_type_ids: [T] or [B, T], 0 text, 1 image, 2 video, one entry per token (no
+        padding; pass each sequence of a padded batch alone). Text tokens count up on all three
+        axes; a vision block of grid (t, h, w) patches (merged spatial_merge_size^2 to a token)
+        takes time start + frame * video_time_interval (images: start), height start + row,
+        width start + column, and the text after it continues from start + max(h, w) /
+        spatial_merge_size.
+    image_grid_thw, video_grid_thw: [N, 3] grids of the images and videos in token order.
+
+    Returns the positions and, per sequence, max position + 1 - length (transformers'
+    rope_deltas: decode step positions are length + delta).
+    """
+    types = mm_token_type_ids.reshape(-1, mm_token_type_ids.shape[-1]).tolist()
+    grids = {1: iter([] if image_grid_thw is None else image_grid_thw.tolist()),
+             2: iter([] if video_grid_thw is None else video_grid_thw.tolist())}
+    out, deltas = [], []
+    for sequence in types:
+        parts, start, i = [], 0, 0
+        while i < len(sequence):
+            kind, j = sequence[i], i
+            while j < len(sequence) and sequence[j] == kind:
+                j += 1
+            if kind == 0:
+                parts.append(torch.arange(start, start + j - i).expand(3, -1))
+                start += j - i
+            else:
+                t, h, w = next(grids[kind])
+                h, w = h // spatial_merge_size, w // spatial_merge_size
+                interval = video_time_interval if kind == 2 else 1.0
+                frames = (torch.arange(t) * interval).long()
+                grid = torch.stack(torch.meshgrid(frames, torch.arange(h), torch.arange(w),
+                                                  indexing="ij")).reshape(3, -1) + start
+                if grid.shape[1] != j - i:
+                    raise ValueError(f"mrope_positions: a vision block of {j - i} tokens at "
+                                     f"token {i} does not match its grid {[t, h, w]} "
+                                     f"({grid.shape[1]} tokens after the spatial merge)")
+                parts.append(grid)
+                start += max(h, w)
+            i = j
+        positions = torch.cat(parts, 1) if parts else torch.zeros(3, 0, dtype=torch.long)
+        out.append(positions)
+        deltas.append(int(positions.max()) + 1 - len(sequence) if sequence else 0)
+    positions = torch.stack(out, 1).view(3, *mm_token_type_ids.shape)
+    return positions.to(mm_token_type_ids.device), torch.tensor(deltas)
+
+
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,12 @@ has it; `enable()` recognises a module's function by its code (and that of the h
 calls, such as rotate_half) and swaps in a rope_ext drop-in with the same signature and
 semantics, q and k in one kernel launch. `table_from_config` builds a model's (scaled)
 table natively from its config.
+
+Vision-language models with multi-axis RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; MROPE_ROTARY) go
+further: their text rotary module's forward is replaced too, so that it returns the model's
+table and the [3, B, S] position ids (MropePositions) rather than cos/sin built per token, and
+the attention's apply_rotary_pos_emb drop-in rotates q and k natively with the model's
+mrope_section. Their vision towers' apply_rotary_pos_emb_vision goes through the native op.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import importlib
 import inspect
 import pkgutil
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -30,7 +37,8 @@ from . import api
 # Families enable() always imports and checks; with all_families=True it checks every family
 # transformers ships, and it always checks every modeling module already imported.
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-            "gemma2", "gemma3", "olmo2", "granite", "phi3", "starcoder2")
+            "gemma2", "gemma3", "olmo2", "granite", "phi3", "starcoder2", "qwen2_vl",
+            "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 _patched: dict[tuple[str, str], object] = {}  # (module, function name) -> transformers' function
 
@@ -106,7 +114,29 @@ VARIANTS = (
             layout="half", interleaved=True, cast="each"),
     Variant("complex freqs_cis, heads at dim 2", "llama4", "apply_rotary_emb", layout="half",
             interleaved=True, cast="each", heads_dim=2),
+    Variant("half-split, float32, cos per patch (vision towers)", "qwen2_vl",
+            "apply_rotary_pos_emb_vision", cast="each"),
 )
+
+# Multi-axis RoPE (Qwen2-VL and later): the text rotary module whose forward enable() replaces,
+# and whether its sections interleave (Qwen3-VL). The replacement returns the model's table and
+# an MropePositions in place of (cos, sin), so no cos/sin is built per token; the family's
+# apply_rotary_pos_emb drop-in then rotates q and k with mrope_section.
+MROPE_ROTARY = (
+    ("qwen2_vl", "Qwen2VLRotaryEmbedding", False),
+    ("qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding", False),
+    ("qwen3_vl", "Qwen3VLTextRotaryEmbedding", True),
+    ("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding", True),
+)
+
+
+class MropePositions(NamedTuple):
+    """What an MRoPE rotary module returns in place of sin under enable(): position ids
+    [3, B, S] and the sections; cos is then the model's table [P, R/2, 2]."""
+
+    positions: torch.Tensor
+    section: tuple
+    interleaved: bool
 
 
 def _rows_table(cos, sin, unsqueeze_dim, layout):
@@ -121,9 +151,9 @@ def _rows_table(cos, sin, unsqueeze_dim, layout):
     table = torch.stack([cos, sin], -1).to(real)
     lead = table.shape[:-2]
     positions = torch.arange(lead.numel(), device=table.device).view(lead)
-    if unsqueeze_dim is not None:
+    if unsqueeze_dim is not None:  # cos [*lead, W].unsqueeze(d), without its last dim
         positions = positions.unsqueeze(unsqueeze_dim if unsqueeze_dim >= 0
-                                        else unsqueeze_dim + len(lead) + 1)
+                                        else unsqueeze_dim + len(lead) + 2)
     return table.reshape(-1, *table.shape[-2:]), positions
 
 
@@ -133,6 +163,17 @@ def _deinterleaved(x):
 
 def _rotate(v: Variant, q, k, cos, sin, unsqueeze_dim):
     """q (and k, when given) rotated as variant v's function rotates them."""
+    if isinstance(sin, MropePositions):  # cos is the table (see MROPE_ROTARY)
+        # As cos [B, S, W].unsqueeze(unsqueeze_dim), after the positions' axis dim.
+        lead = sin.positions.dim() - 1
+        d = unsqueeze_dim if unsqueeze_dim >= 0 else unsqueeze_dim + lead + 2
+        positions = sin.positions.unsqueeze(d + 1)
+        kwargs = dict(positions=positions, interleaved=v.interleaved, inverse=v.inverse,
+                      mrope_section=sin.section, mrope_interleaved=sin.interleaved)
+        if k is None:
+            q_out = api.apply_rotary(q, cos, **kwargs)
+            return q_out if v.bare_q else (q_out, None)
+        return api.apply_rotary_qk(q, k, cos, **kwargs)
     if v.cast == "promote":  # the arithmetic runs in the promoted dtype, as there
         dtype = torch.promote_types(q.dtype, cos.dtype)
         q = q.to(dtype)
@@ -164,6 +205,9 @@ def _dropin(v: Variant, reference):
     elif params == ("x", "cos", "sin", "position_ids", "unsqueeze_dim"):  # 4.x's Gemma 3n
         def fn(x, cos, sin, position_ids=None, unsqueeze_dim=1):
             return _rotate(v, x, None, cos, sin, unsqueeze_dim)[0]
+    elif params == ("q", "k", "cos", "sin"):  # vision towers: [N, H, D], cos [N, D]
+        def fn(q, k, cos, sin):
+            return _rotate(v, q, k, cos, sin, -2)
     elif params == ("tensor", "sin", "cos"):  # GPT-J: [B, S, H, R], sin/cos [B, S, R/2]
         def fn(tensor, sin, cos):
             return _rotate(v, tensor, None, cos, sin, 2)[0]
@@ -276,6 +320,45 @@ def _rope_functions(module) -> dict[str, tuple[object, tuple | None]]:
     return out
 
 
+_patched_forwards: dict[type, object] = {}  # MRoPE rotary class -> transformers' forward
+
+
+def _mrope_table(module, device) -> torch.Tensor:
+    """The model's real table [P, R/2, 2] on device, built once per module and device."""
+    tables = module.__dict__.setdefault("_rope_ext_tables", {})
+    if device not in tables:
+        table = table_from_config(module.config, device=device)
+        tables[device] = torch.view_as_real(table)
+    return tables[device]
+
+
+def _mrope_forward(original, interleaved: bool):
+    """A forward for an MRoPE text rotary module: (table, MropePositions) instead of cos and
+    sin; transformers' own forward where the rope type scales frequencies dynamically."""
+    def forward(self, x, position_ids):
+        if self.rope_type != "default":
+            return original(self, x, position_ids)
+        position_ids = position_ids.expand(3, -1, -1)
+        return _mrope_table(self, x.device), MropePositions(
+            position_ids, tuple(self.mrope_section), interleaved)
+
+    forward.__doc__ = original.__doc__
+    forward.rope_ext_original = original
+    return forward
+
+
+def _enable_mrope(module) -> None:
+    """Swaps the family's MRoPE text rotary forward, once its apply_rotary_pos_emb is patched
+    (the drop-in that understands what the new forward returns)."""
+    family = module.__name__.rsplit(".", 2)[-2]
+    for fam, cls_name, interleaved in MROPE_ROTARY:
+        cls = getattr(module, cls_name, None)
+        if (fam == family and cls is not None and cls not in _patched_forwards
+                and (module.__name__, "apply_rotary_pos_emb") in _patched):
+            _patched_forwards[cls] = cls.forward
+            cls.forward = _mrope_forward(cls.forward, interleaved)
+
+
 def enable(all_families: bool = False) -> list[str]:
     """Routes transformers' RoPE functions through rope_ext; returns the modules patched.
 
@@ -293,6 +376,7 @@ def enable(all_families: bool = False) -> list[str]:
             if entry is not None and (name, fn_name) not in _patched:
                 _patched[(name, fn_name)] = fn
                 setattr(module, fn_name, entry[1])
+        _enable_mrope(module)
     return sorted({module for module, _ in _patched})
 
 
@@ -301,6 +385,9 @@ def disable() -> None:
     for (name, fn_name), original in _patched.items():
         setattr(importlib.import_module(name), fn_name, original)
     _patched.clear()
+    for cls, forward in _patched_forwards.items():
+        cls.forward = forward
+    _patched_forwards.clear()
 
 
 def enabled() -> bool:
@@ -343,5 +430,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["VARIANTS", "Variant", "apply_rotary_pos_emb", "coverage", "disable", "enable",
-           "enabled", "rope_parameters", "table_from_config"]
+__all__ = ["MROPE_ROTARY", "MropePositions", "VARIANTS", "Variant", "apply_rotary_pos_emb",
+           "coverage", "disable", "enable", "enabled", "rope_parameters", "table_from_config"]

@@ -321,6 +321,10 @@ def variant_inputs(v, fn, dtype, cos_dtype, unsqueeze_dim, gen):
 
     if params == ("tensor", "sin", "cos"):
         return (x(H, 2, R), sin, cos)
+    if params == ("q", "k", "cos", "sin"):  # vision towers: [N, H, D] and cos [N, D]
+        def patches(heads):
+            return torch.randn(B * S, heads, D, generator=gen).to(dtype)
+        return (patches(H), patches(1), cos.flatten(0, 1), sin.flatten(0, 1))
     if params == ("xq", "xk", "freqs_cis"):
         return (x(H, v.heads_dim), x(1, v.heads_dim), torch.polar(torch.ones_like(angles), angles).to(
             torch.complex64 if cos_dtype != torch.float64 else torch.complex128))
@@ -349,9 +353,11 @@ def test_every_variant_matches_its_function(dtype, cos_dtype, unsqueeze_dim):
                 TRANSFORMERS_4 and hasattr(dropin, "rope_ext_variant")), (v, dropin)
             gen = torch.Generator().manual_seed(0)
             args = variant_inputs(v, original, dtype, cos_dtype, unsqueeze_dim, gen)
-            # q and k (4-D) get gradients; cos and sin come from buffers in every model.
-            args = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.dim() == 4
-                    else a for a in args]
+            # q and k get gradients (4-D; vision towers' 3-D, first); cos and sin come from
+            # buffers in every model.
+            vision = v.function.endswith("_vision")
+            args = [a.requires_grad_() if isinstance(a, torch.Tensor) and (
+                a.dim() == 4 or (vision and i < 2)) else a for i, a in enumerate(args)]
             got = dropin(*args)
             want = original(*args)
             exact = original(*[a.detach().to(torch.complex128 if a.is_complex() else torch.float64)
