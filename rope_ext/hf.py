@@ -353,7 +353,12 @@ def _enable_mrope(module) -> None:
     family = module.__name__.rsplit(".", 2)[-2]
     for fam, cls_name, interleaved in MROPE_ROTARY:
         cls = getattr(module, cls_name, None)
+        # transformers 5's structure: the module builds cos/sin (recomposition_frequencies) and
+        # the attention calls apply_rotary_pos_emb; 4.x's attention called
+        # apply_multimodal_rotary_pos_emb with the sections instead.
         if (fam == family and cls is not None and cls not in _patched_forwards
+                and hasattr(cls, "recomposition_frequencies")
+                and not hasattr(module, "apply_multimodal_rotary_pos_emb")
                 and (module.__name__, "apply_rotary_pos_emb") in _patched):
             _patched_forwards[cls] = cls.forward
             cls.forward = _mrope_forward(cls.forward, interleaved)

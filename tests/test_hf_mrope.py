@@ -7,6 +7,11 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    # 4.x's VL models rotate with apply_multimodal_rotary_pos_emb and the sections from the
+    # attention's config; enable() leaves their text side alone (tests/test_hf.py covers it).
+    pytest.skip("MRoPE in rope_ext.hf follows transformers 5's VL models",
+                allow_module_level=True)
 
 import rope_ext  # noqa: E402
 import rope_ext.hf  # noqa: E402
