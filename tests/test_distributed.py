@@ -240,6 +240,41 @@ def scenario_backward(mesh):
                                        msg=lambda m: f"{what}: {m}")
 
 
+def scenario_mrope(mesh):
+    """MRoPE on DTensors: positions [3, B, S, 1] sharded like q on batch or sequence (their
+    axis dim never), or q sharded on heads with positions replicated; values and gradients
+    against the single-process call."""
+    import rope_ext
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    q, k, _, _ = _inputs(torch.float64, seq=8)  # even shards: plain local positions below
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(32, 16, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 16, (3, 4, q.shape[1], 1), generator=gen)
+    kw = dict(interleaved=False, mrope_section=[4, 6, 6])
+    for placements, pos_placements in (([Shard(0)], [Shard(1)]), ([Shard(1)], [Shard(2)]),
+                                       ([Shard(2)], [Replicate()])):
+        what = f"MRoPE {placements}"
+        leaves = [t.clone().requires_grad_() for t in (q, k, table)]
+        want = rope_ext.apply_rotary_qk(*leaves, positions=positions, **kw)
+        sum(w.square().sum() for w in want).backward()
+        dq, dk = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k))
+        dtable = distribute_tensor(table, mesh, [Replicate()]).requires_grad_()
+        dpos = distribute_tensor(positions, mesh, pos_placements)
+        got = rope_ext.apply_rotary_qk(dq, dk, dtable, positions=dpos, **kw)
+        for g, w in zip(got, want):
+            assert list(g.placements) == placements, what
+            _equal(g, w.detach(), what)
+        # Plain-tensor positions: this rank's own, placed like q.
+        local = positions if pos_placements == [Replicate()] else dpos.to_local()
+        again = rope_ext.apply_rotary_qk(dq.detach(), dk.detach(), table, positions=local, **kw)
+        _equal(again[0], want[0].detach(), what + " local positions")
+        sum(g.square().sum() for g in got).backward()
+        for d, leaf in zip((dq, dk, dtable), leaves):
+            torch.testing.assert_close(d.grad.full_tensor(), leaf.grad, atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{what}: {m}")
+
+
 def scenario_errors(mesh):
     """Bad placements and meshes: clear errors naming them, before anything is written."""
     import rope_ext
@@ -293,6 +328,7 @@ def scenario_compile(mesh):
 
 
 @pytest.mark.parametrize("scenario", ["scenario_placements", "scenario_context_parallel",
-                                      "scenario_backward", "scenario_errors", "scenario_compile"])
+                                      "scenario_backward", "scenario_mrope", "scenario_errors",
+                                      "scenario_compile"])
 def test_dtensor(scenario):
     run(scenario)
