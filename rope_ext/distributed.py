@@ -161,9 +161,18 @@ def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim,
             seq, *[1] * (ndim - 2 - sd))
         positions = _wrap(positions, mesh, _follow(xs[0], positions.shape))
     elif positions is not None and not isinstance(positions, DTensor):
-        # This rank's positions, placed like x (torchtitan's _maybe_wrap_positions).
-        positions = DTensor.from_local(positions, mesh, _follow(xs[0], positions.shape, skip),
-                                       run_check=False)
+        # This rank's positions, placed like x (torchtitan's _maybe_wrap_positions). Their
+        # global size along a sharded dim is x's: from_local alone would assume even shards.
+        from torch.distributed.tensor._utils import compute_global_tensor_info
+
+        placements = _follow(xs[0], positions.shape, skip)
+        shape = list(positions.shape)
+        for px, pp in zip(xs[0].placements, placements):
+            if isinstance(pp, Shard):
+                shape[pp.dim] = xs[0].shape[px.dim]
+        _, stride = compute_global_tensor_info(positions, mesh, placements)
+        positions = DTensor.from_local(positions, mesh, placements, run_check=False,
+                                       shape=torch.Size(shape), stride=tuple(stride))
     elif positions is not None:
         if positions.device_mesh != mesh:
             raise ValueError(f"{op}: positions are on device mesh {positions.device_mesh} "

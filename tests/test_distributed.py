@@ -247,7 +247,7 @@ def scenario_mrope(mesh):
     import rope_ext
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    q, k, _, _ = _inputs(torch.float64, seq=8)  # even shards: plain local positions below
+    q, k, _, _ = _inputs(torch.float64)  # 7 rows: uneven sequence shards
     table = torch.view_as_real(rope_ext.precompute_freqs_cis(32, 16, dtype=torch.float64))
     gen = torch.Generator().manual_seed(1)
     positions = torch.randint(0, 16, (3, 4, q.shape[1], 1), generator=gen)
@@ -265,7 +265,7 @@ def scenario_mrope(mesh):
         for g, w in zip(got, want):
             assert list(g.placements) == placements, what
             _equal(g, w.detach(), what)
-        # Plain-tensor positions: this rank's own, placed like q.
+        # Plain-tensor positions: this rank's own (uneven shards too), placed like q.
         local = positions if pos_placements == [Replicate()] else dpos.to_local()
         again = rope_ext.apply_rotary_qk(dq.detach(), dk.detach(), table, positions=local, **kw)
         _equal(again[0], want[0].detach(), what + " local positions")
