@@ -70,17 +70,31 @@ __global__ void fill_freqs_cis_kernel(table_t* out, const double* inv_freq, doub
                                      static_cast<int64_t>(gridDim.x) * blockDim.x, mem);
 }
 
+// An int per device, asked of the driver once (by `query`, into its argument) and kept.
+class PerDevice {
+ public:
+  template <typename Query>
+  int get(int device, Query query) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (device >= static_cast<int>(values_.size())) {
+      values_.resize(device + 1, 0);
+    }
+    if (values_[device] == 0) {
+      query(&values_[device]);
+    }
+    return values_[device];
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<int> values_;
+};
+
 int sm_count(int device) {
-  static std::mutex mutex;
-  static std::vector<int> counts;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (device >= static_cast<int>(counts.size())) {
-    counts.resize(device + 1, 0);
-  }
-  if (counts[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
-  }
-  return counts[device];
+  static PerDevice counts;
+  return counts.get(device, [&](int* count) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device));
+  });
 }
 
 template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, bool kMrope,
@@ -92,18 +106,11 @@ struct LaunchRotary {
   // Blocks of this kernel (kThreads threads) one SM of `device` holds at once, asked once per
   // kernel and device (a cache per instantiation: the kernels' registers differ).
   static int blocks_per_sm(int device) {
-    static std::mutex mutex;
-    static std::vector<int> blocks;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (device >= static_cast<int>(blocks.size())) {
-      blocks.resize(device + 1, 0);
-    }
-    if (blocks[device] == 0) {
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks[device], kernel,
-                                                                   kThreads, 0));
-      blocks[device] = std::max(blocks[device], 1);
-    }
-    return blocks[device];
+    static PerDevice blocks;
+    return blocks.get(device, [](int* count) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kThreads, 0));
+      *count = std::max(*count, 1);
+    });
   }
 
   static void run(const RotaryParams& p, const int& device) {
