@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -303,6 +304,23 @@ void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k)
                     "them contiguous or use the out-of-place op");
   TORCH_CHECK_VALUE(
       !overlap, op, ": q and k overlap in memory; an in-place call needs them disjoint");
+}
+
+void check_norm_weight(const char* op, const char* name, const at::Tensor& weight,
+                       const char* x_name, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kFloat || weight.scalar_type() == x.scalar_type(),
+                   op, ": ", name, " must be float32 or ", x_name, "'s dtype ", x.scalar_type(),
+                   ", got ", weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(-1), op, ": ", name,
+                    " must have shape [", x.size(-1), "] (the head_dim of ", x_name, "), got ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.device() == x.device(), op, ": ", name, " is on ", weight.device(),
+                    " but ", x_name, " is on ", x.device());
+}
+
+void check_norm_eps(const char* op, double eps) {
+  TORCH_CHECK_VALUE(eps > 0 && std::isfinite(eps), op,
+                    ": eps must be a positive finite number, got ", eps);
 }
 
 void check_freqs_table(const char* op, const at::Tensor& out, const at::Tensor& inv_freq) {

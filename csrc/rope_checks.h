@@ -36,6 +36,14 @@ void check_inplace_target(const char* op, const char* name, const at::Tensor& x)
 // In-place q and k must not write to the same elements.
 void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k);
 
+// The norm weight of a fused RMSNorm + RoPE call (csrc/qk_norm.h): [head_dim] of x, float32 or
+// x's dtype, on x's device.
+void check_norm_weight(const char* op, const char* name, const at::Tensor& weight,
+                       const char* x_name, const at::Tensor& x);
+
+// The norm's eps: a positive finite number.
+void check_norm_eps(const char* op, double eps);
+
 // Checks the output table and the inverse frequencies of fill_freqs_cis_.
 void check_freqs_table(const char* op, const at::Tensor& out, const at::Tensor& inv_freq);
 

@@ -60,6 +60,22 @@ TORCH_LIBRARY(rope_ext, m) {
       "SymInt offset=0, int seq_dim=1, bool interleaved=True, bool inverse=False, "
       "int[]? mrope_section=None, bool mrope_interleaved=False) -> ()");
 
+  // Fused per-head RMSNorm + RoPE of QK-norm models (Qwen3, Gemma 3; csrc/qk_norm.h): each row
+  // of q and k becomes rotate(x / sqrt(mean(x^2) + eps) * (weight + weight_offset)), the norm
+  // over the whole head_dim, in float32 (float64 for float64 rows), rounded once. q_weight and
+  // k_weight are [head_dim], float32 or their tensor's dtype. The rotation's arguments are
+  // apply_rotary_qk's.
+#define ROPE_EXT_NORM_ARGS                                                                    \
+  "Tensor q_weight, Tensor k_weight, Tensor freqs_cis, Tensor? positions=None, "             \
+  "SymInt offset=0, int seq_dim=1, bool interleaved=True, float eps=1e-06, "                 \
+  "float weight_offset=0.0, int[]? mrope_section=None, bool mrope_interleaved=False"
+  m.def("rms_norm_rotary_qk(Tensor q, Tensor k, " ROPE_EXT_NORM_ARGS ") -> (Tensor, Tensor)");
+  m.def("rms_norm_rotary_qk_(Tensor(a!) q, Tensor(b!) k, " ROPE_EXT_NORM_ARGS ") -> ()");
+  // Gradients of q, k, q_weight and k_weight, given those of rms_norm_rotary_qk's outputs.
+  m.def("rms_norm_rotary_qk_backward(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, "
+        ROPE_EXT_NORM_ARGS ") -> (Tensor, Tensor, Tensor, Tensor)");
+#undef ROPE_EXT_NORM_ARGS
+
   // Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) with respect to freqs_cis, shaped
   // like freqs_cis. Composed of stock torch ops (rope_ext/_autograd.py).
   m.def(

@@ -27,6 +27,8 @@ from .api import (
     rope_frequencies,
 )
 
+from .qk_norm import rms_norm_rotary_qk
+
 build_info = _native.build_info
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "native_available",
     "positions_from_cu_seqlens",
     "precompute_freqs_cis",
+    "rms_norm_rotary_qk",
     "rope_frequencies",
 ]
 __version__ = "0.1.0"

@@ -6,6 +6,8 @@ same way on every path.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:  # torch >= 2.10: decides without guarding on symbolic sizes (False when undecidable)
@@ -276,6 +278,65 @@ def check_qk_args(op, q, k, table, positions, offset, seq_dim, mrope_section=Non
     check_apply_args(op, "k", k, table, positions, offset, seq_dim, mrope_section,
                      mrope_interleaved)
     check_qk_pair(op, q, k, sd)
+    return sd
+
+
+def check_norm_weight(op: str, name: str, weight: torch.Tensor, x_name: str,
+                      x: torch.Tensor) -> None:
+    """The norm weight of a fused RMSNorm + RoPE call: [head_dim] of x, float32 or x's dtype,
+    on x's device."""
+    _check(
+        TypeError,
+        weight.dtype in (torch.float32, x.dtype),
+        lambda: f"{op}: {name} must be float32 or {x_name}'s dtype {dtype_name(x.dtype)}, got "
+        f"{dtype_name(weight.dtype)}",
+    )
+    _check(
+        ValueError,
+        weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+        lambda: f"{op}: {name} must have shape [{x.shape[-1]}] (the head_dim of {x_name}), got "
+        f"{list(weight.shape)}",
+    )
+    _check(
+        ValueError,
+        weight.device == x.device,
+        lambda: f"{op}: {name} is on {weight.device} but {x_name} is on {x.device}",
+    )
+
+
+def check_norm_eps(op: str, eps: float) -> None:
+    _check(
+        ValueError,
+        eps > 0 and math.isfinite(eps),
+        lambda: f"{op}: eps must be a positive finite number, got {eps:g}",
+    )
+
+
+def check_norm_grads(op: str, grad_q, grad_k, q, k) -> None:
+    """The incoming gradients of rms_norm_rotary_qk_backward: q's and k's shapes and dtypes."""
+    _check(
+        ValueError,
+        grad_q.shape == q.shape and grad_k.shape == k.shape,
+        lambda: f"{op}: grad_q and grad_k must have the shapes of q and k, {list(q.shape)} and "
+        f"{list(k.shape)}, got {list(grad_q.shape)} and {list(grad_k.shape)}",
+    )
+    _check(
+        TypeError,
+        grad_q.dtype == q.dtype and grad_k.dtype == k.dtype,
+        lambda: f"{op}: grad_q and grad_k must have the dtypes of q and k, "
+        f"{dtype_name(q.dtype)} and {dtype_name(k.dtype)}, got {dtype_name(grad_q.dtype)} and "
+        f"{dtype_name(grad_k.dtype)}",
+    )
+
+
+def check_norm_args(op, q, k, q_weight, k_weight, table, positions, offset, seq_dim, eps,
+                    mrope_section=None, mrope_interleaved=False) -> int:
+    """The checks of the fused RMSNorm + RoPE ops, in csrc/qk_norm_ops.h's order."""
+    sd = check_qk_args(op, q, k, table, positions, offset, seq_dim, mrope_section,
+                       mrope_interleaved)
+    check_norm_weight(op, "q_weight", q_weight, "q", q)
+    check_norm_weight(op, "k_weight", k_weight, "k", k)
+    check_norm_eps(op, eps)
     return sd
 
 

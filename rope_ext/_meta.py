@@ -69,3 +69,40 @@ def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, in
     _checks.check_inplace_target(op, "q", q)
     _checks.check_inplace_target(op, "k", k)
     _checks.check_qk_disjoint(op, q, k)
+
+
+@torch.library.register_fake("rope_ext::rms_norm_rotary_qk")
+def _(q, k, q_weight, k_weight, freqs_cis, positions=None, offset=0, seq_dim=1,
+      interleaved=True, eps=1e-6, weight_offset=0.0, mrope_section=None,
+      mrope_interleaved=False):
+    _checks.check_norm_args("rms_norm_rotary_qk", q, k, q_weight, k_weight, freqs_cis,
+                            positions, offset, seq_dim, eps, mrope_section, mrope_interleaved)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.register_fake("rope_ext::rms_norm_rotary_qk_")
+def _(q, k, q_weight, k_weight, freqs_cis, positions=None, offset=0, seq_dim=1,
+      interleaved=True, eps=1e-6, weight_offset=0.0, mrope_section=None,
+      mrope_interleaved=False):
+    op = "rms_norm_rotary_qk_"
+    _checks.check_norm_args(op, q, k, q_weight, k_weight, freqs_cis, positions, offset, seq_dim,
+                            eps, mrope_section, mrope_interleaved)
+    _checks.check_inplace_target(op, "q", q)
+    _checks.check_inplace_target(op, "k", k)
+    _checks.check_qk_disjoint(op, q, k)
+
+
+@torch.library.register_fake("rope_ext::rms_norm_rotary_qk_backward")
+def _(grad_q, grad_k, q, k, q_weight, k_weight, freqs_cis, positions=None, offset=0,
+      seq_dim=1, interleaved=True, eps=1e-6, weight_offset=0.0, mrope_section=None,
+      mrope_interleaved=False):
+    op = "rms_norm_rotary_qk_backward"
+    _checks.check_norm_args(op, q, k, q_weight, k_weight, freqs_cis, positions, offset, seq_dim,
+                            eps, mrope_section, mrope_interleaved)
+    _checks.check_norm_grads(op, grad_q, grad_k, q, k)
+
+    def input_grad(grad, x):  # laid out as the kernel lays it (qk_norm_ops.h, same_layout)
+        return torch.empty_like(x if grad.stride() == x.stride() else x.contiguous())
+
+    return (input_grad(grad_q, q), input_grad(grad_k, k), torch.empty_like(q_weight),
+            torch.empty_like(k_weight))

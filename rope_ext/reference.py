@@ -149,3 +149,32 @@ def apply_rotary(
     if inplace:
         return x.copy_(out)
     return out
+
+
+def rms_norm_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    positions: torch.Tensor | None = None,
+    offset: int = 0,
+    seq_dim: int = 1,
+    interleaved: bool = True,
+    inplace: bool = False,
+    mrope_section=None,
+    mrope_interleaved: bool = False,
+) -> torch.Tensor:
+    """rope_ext.rms_norm_rotary_qk on one tensor: per-head RMSNorm over head_dim, then the
+    rotation, in float32 (float64 for float64 x) and rounded once to x's dtype."""
+    real = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(real)
+    scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = xf * scale * (weight.to(real) + weight_offset)
+    out = apply_rotary(normed, freqs_cis, positions=positions, offset=offset, seq_dim=seq_dim,
+                       interleaved=interleaved, mrope_section=mrope_section,
+                       mrope_interleaved=mrope_interleaved).to(x.dtype)
+    if inplace:
+        return x.copy_(out)
+    return out

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../qk_norm_ops.h"
 #include "../rope_backend.h"
 #include "../rope_build.h"
 #include "../cuda/rope_cuda_emulate.h"
@@ -22,6 +23,7 @@ namespace {
 
 struct KernelChoice {
   RotaryKernel kernel;
+  NormRotaryKernel norm_kernel;
   const char* name;
 };
 
@@ -42,13 +44,13 @@ bool cpu_has(const std::string& variant) {
 // (torch honours ATEN_CPU_CAPABILITY=default|avx2|avx512). ROPE_EXT_CPU_KERNEL names a
 // variant outright (DEFAULT, AVX2, AVX512, AVX512_BF16), for tests and comparisons.
 KernelChoice choose_kernel() {
-  std::vector<KernelChoice> built = {{DEFAULT::rotary_kernel, "DEFAULT"}};
+  std::vector<KernelChoice> built = {{DEFAULT::rotary_kernel, DEFAULT::norm_rotary_kernel, "DEFAULT"}};
 #if defined(ROPE_EXT_HAVE_AVX2)
-  built.push_back({AVX2::rotary_kernel, "AVX2"});
+  built.push_back({AVX2::rotary_kernel, AVX2::norm_rotary_kernel, "AVX2"});
 #endif
 #if defined(ROPE_EXT_HAVE_AVX512)
-  built.push_back({AVX512::rotary_kernel, "AVX512"});
-  built.push_back({AVX512_BF16::rotary_kernel, "AVX512_BF16"});
+  built.push_back({AVX512::rotary_kernel, AVX512::norm_rotary_kernel, "AVX512"});
+  built.push_back({AVX512_BF16::rotary_kernel, AVX512_BF16::norm_rotary_kernel, "AVX512_BF16"});
 #endif
   if (const char* forced = std::getenv("ROPE_EXT_CPU_KERNEL")) {
     for (const auto& k : built) {
@@ -208,14 +210,10 @@ at::Tensor gather_mrope_rows(RotaryParams& p, at::ScalarType table_dtype) {
   return gathered;
 }
 
-void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType table_dtype,
-            c10::Device) {
-  if (cuda_emulation::active()) {
-    cuda_emulation::launch(params, x_dtype, table_dtype);
-    return;
-  }
-  RotaryParams p = params;
-  at::Tensor gathered;  // an MRoPE table gathered per positions entry, alive through the call
+// Prepares p for the CPU kernels: gathers an MRoPE table where a token's rows are not walked
+// together (returned, to stay alive through the call) and orders the rows.
+at::Tensor prepare(RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype) {
+  at::Tensor gathered;
   if (p.mrope_axes > 0 && !tokens_innermost(p)) {
     AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_gather_mrope", [&] {
       gathered = gather_mrope_rows<scalar_t>(p, table_dtype);
@@ -225,7 +223,25 @@ void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType t
     RotaryOperand& op = p.operands[o];
     walk_heads_together(op, op.head_dim * c10::elementSize(x_dtype), op.out == op.x);
   }
+  return gathered;
+}
+
+void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType table_dtype,
+            c10::Device) {
+  if (cuda_emulation::active()) {
+    cuda_emulation::launch(params, x_dtype, table_dtype);
+    return;
+  }
+  RotaryParams p = params;
+  const at::Tensor gathered = prepare(p, x_dtype, table_dtype);
   kernel_choice().kernel(p, x_dtype, table_dtype);
+}
+
+void launch_norm(const NormRotaryParams& params, bool backward, at::ScalarType x_dtype,
+                 at::ScalarType table_dtype, c10::Device) {
+  NormRotaryParams p = params;
+  const at::Tensor gathered = prepare(p.rotary, x_dtype, table_dtype);
+  kernel_choice().norm_kernel(p, backward, x_dtype, table_dtype);
 }
 
 void check_positions(const char* op, const at::Tensor& positions, int64_t offset,
@@ -265,6 +281,7 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
 }
 
 constexpr Backend kCpu{&launch, &check_positions, &fill_freqs_cis};
+constexpr NormBackend kCpuNorm{&launch_norm};
 
 }  // namespace
 }  // namespace cpu
@@ -279,6 +296,9 @@ TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("apply_rotary_", &apply_rotary_<cpu::kCpu>);
   m.impl("apply_rotary_qk", &apply_rotary_qk<cpu::kCpu>);
   m.impl("apply_rotary_qk_", &apply_rotary_qk_<cpu::kCpu>);
+  m.impl("rms_norm_rotary_qk", &rms_norm_rotary_qk<cpu::kCpu, cpu::kCpuNorm>);
+  m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_<cpu::kCpu, cpu::kCpuNorm>);
+  m.impl("rms_norm_rotary_qk_backward", &rms_norm_rotary_qk_backward<cpu::kCpu, cpu::kCpuNorm>);
 }
 
 }  // namespace rope_ext

@@ -5,24 +5,36 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "../qk_norm.h"
 #include "../rope_math.h"
 
 namespace rope_ext::cpu {
 
 using RotaryKernel = void (*)(const RotaryParams& p, at::ScalarType x_dtype,
                               at::ScalarType table_dtype);
+// The fused RMSNorm + RoPE kernel (qk_norm_cpu_kernel_impl.h), forward or backward.
+using NormRotaryKernel = void (*)(const NormRotaryParams& p, bool backward,
+                                  at::ScalarType x_dtype, at::ScalarType table_dtype);
 
 namespace DEFAULT {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                        at::ScalarType table_dtype);
 }
 namespace AVX2 {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                        at::ScalarType table_dtype);
 }
 namespace AVX512 {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                        at::ScalarType table_dtype);
 }
 namespace AVX512_BF16 {  // AVX512 plus the AVX512-BF16 conversions
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
+void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                        at::ScalarType table_dtype);
 }
 
 }  // namespace rope_ext::cpu

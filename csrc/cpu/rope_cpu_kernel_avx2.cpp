@@ -2,3 +2,4 @@
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "rope_cpu_kernel_impl.h"
+#include "qk_norm_cpu_kernel_impl.h"

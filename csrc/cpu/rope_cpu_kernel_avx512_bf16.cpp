@@ -3,3 +3,4 @@
 #define CPU_CAPABILITY AVX512_BF16
 #define CPU_CAPABILITY_AVX512
 #include "rope_cpu_kernel_impl.h"
+#include "qk_norm_cpu_kernel_impl.h"

@@ -170,9 +170,10 @@ struct Rotation {
   opmath* cos;
   opmath* sin;
 
-  explicit Rotation(int64_t pairs) : storage(2 * pairs) {
+  // `padding` zero pairs after each of cos and sin let vector loads run past the last pair.
+  explicit Rotation(int64_t pairs, int64_t padding = 0) : storage(2 * (pairs + padding)) {
     cos = storage.data();
-    sin = cos + pairs;
+    sin = cos + pairs + padding;
   }
 
   template <typename table_t>
@@ -617,56 +618,71 @@ class RowCursor {
   int64_t x_ = 0, out_ = 0, pos_ = 0;
 };
 
+// The rotation of the last position seen: rows sharing a position (the heads of one token)
+// read and convert the table row once, not once per head.
+template <typename opmath, typename table_t>
+class RotationCache {
+ public:
+  explicit RotationCache(const RotaryParams& p, int64_t padding = 0)
+      : p_(p), table_(static_cast<const table_t*>(p.table)), rotation_(p.rot_pairs, padding) {}
+
+  // The rotation of the row whose positions offset is pos_offset, loaded unless it is.
+  const Rotation<opmath>& at(int64_t pos_offset) {
+    if (p_.mrope_axes == 0) {
+      const int64_t position = row_position(p_, pos_offset);
+      if (position != cached_position_) {
+        rotation_.load(table_ + position * p_.table_row_stride, p_);
+        cached_position_ = position;
+      }
+      return rotation_;
+    }
+    int64_t rows[kMaxMropeAxes];
+    bool same = cached_position_ == 0;
+    for (int a = 0; a < p_.mrope_axes; ++a) {
+      rows[a] = axis_position(p_, pos_offset, a);
+      same = same && rows[a] == cached_axes_[a];
+    }
+    if (!same) {
+      bool one_row = true;  // text tokens: every axis at one position, plain RoPE
+      for (int a = 1; a < p_.mrope_axes; ++a) {
+        one_row = one_row && rows[a] == rows[0];
+      }
+      if (one_row) {
+        rotation_.load(table_ + rows[0] * p_.table_row_stride, p_);
+      } else {
+        rotation_.load_mrope(table_, rows, p_);
+      }
+      std::copy(rows, rows + p_.mrope_axes, cached_axes_);
+      cached_position_ = 0;  // cached_axes_ holds a rotation
+    }
+    return rotation_;
+  }
+
+ private:
+  const RotaryParams& p_;
+  const table_t* table_;
+  Rotation<opmath> rotation_;
+  int64_t cached_position_ = -1;
+  int64_t cached_axes_[kMaxMropeAxes];  // MRoPE: the positions of the rotation loaded
+};
+
 template <typename scalar_t, typename table_t, bool kInterleaved>
 void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
   using opmath = opmath_t<scalar_t>;
   const int64_t pairs = p.rot_pairs;
-  // The rotation of the last position seen: rows sharing a position (the heads of one token)
-  // read and convert the table row once, not once per head.
-  Rotation<opmath> rotation(pairs);
+  RotationCache<opmath, table_t> cache(p);
+  const Rotation<opmath>* rotation = nullptr;  // the current row's
   const auto span_fn = span_function<scalar_t, kInterleaved>(pairs);
   std::vector<scalar_t> buffer;  // one strided row, gathered
-  int64_t cached_position = -1;
-  const auto* table = static_cast<const table_t*>(p.table);
   // Rows whose positions all differ read a contiguous opmath table in place (not MRoPE, whose
   // rows mix table rows).
   const opmath* direct_table = nullptr;
   if constexpr (std::is_same_v<table_t, opmath>) {
     if (p.table_pair_stride == 2 && p.table_cs_stride == 1 && p.mrope_axes == 0) {
-      direct_table = table;
+      direct_table = static_cast<const table_t*>(p.table);
     }
   }
-  int64_t cached_axes[kMaxMropeAxes];  // MRoPE: the positions of the rotation loaded
-  // Loads the rotation of the row whose positions offset is pos_offset, unless loaded.
-  auto use_position = [&](int64_t pos_offset) {
-    if (p.mrope_axes == 0) {
-      const int64_t position = row_position(p, pos_offset);
-      if (position != cached_position) {
-        rotation.load(table + position * p.table_row_stride, p);
-        cached_position = position;
-      }
-      return;
-    }
-    int64_t rows[kMaxMropeAxes];
-    bool same = cached_position == 0;
-    for (int a = 0; a < p.mrope_axes; ++a) {
-      rows[a] = axis_position(p, pos_offset, a);
-      same = same && rows[a] == cached_axes[a];
-    }
-    if (!same) {
-      bool one_row = true;  // text tokens: every axis at one position, plain RoPE
-      for (int a = 1; a < p.mrope_axes; ++a) {
-        one_row = one_row && rows[a] == rows[0];
-      }
-      if (one_row) {
-        rotation.load(table + rows[0] * p.table_row_stride, p);
-      } else {
-        rotation.load_mrope(table, rows, p);
-      }
-      std::copy(rows, rows + p.mrope_axes, cached_axes);
-      cached_position = 0;  // cached_axes holds a rotation
-    }
-  };
+  auto use_position = [&](int64_t pos_offset) { rotation = &cache.at(pos_offset); };
 
   int64_t first_row = 0;  // global index of the operand's first row
   for (int o = 0; o < p.num_operands; ++o) {
@@ -696,7 +712,7 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
       scalar_t* outr = out + cursor.out();
       if (contiguous && shared && span_fn != nullptr) {
         use_position(cursor.pos());
-        span_fn(xr, outr, span, xs, os, rotation, pairs, op.head_dim);
+        span_fn(xr, outr, span, xs, os, *rotation, pairs, op.head_dim);
       } else {
         for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
           if (contiguous && !shared && direct_table != nullptr) {
@@ -711,11 +727,11 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
             use_position(cursor.pos() + j * ps);
           }
           if (contiguous) {
-            rotate_contiguous_row<scalar_t, kInterleaved>(xr, outr, rotation, pairs,
+            rotate_contiguous_row<scalar_t, kInterleaved>(xr, outr, *rotation, pairs,
                                                           op.head_dim);
           } else {
             rotate_strided_row<scalar_t, kInterleaved>(xr, outr, op.x_feature_stride,
-                                                       op.out_feature_stride, rotation, pairs,
+                                                       op.out_feature_stride, *rotation, pairs,
                                                        op.head_dim, buffer.data());
           }
         }

@@ -1,0 +1,391 @@
+// Body of the fused RMSNorm + RoPE CPU kernel (arithmetic in ../qk_norm.h). Included after
+// rope_cpu_kernel_impl.h by the same per-instruction-set .cpp files: it rotates with that
+// file's vector code, in opmath, on a row held in a buffer of the thread's own.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "../qk_norm.h"
+
+namespace rope_ext::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+// A row in opmath, padded with zeros to whole vector pairs: the vector loops run over
+// whole vectors, and the padding stays zero (a scaled or rotated zero is zero). Aligned to
+// 64 bytes: a 64-byte vector store split over two cache lines does not forward to the load
+// that reads it back (~20x slower per row on AMD Zen 4).
+template <typename opmath>
+struct PaddedRow {
+  static constexpr int64_t kV = Vectorized<opmath>::size();
+  static constexpr int64_t kAlign = 64 / sizeof(opmath);
+  std::vector<opmath> storage;
+  int64_t start;
+  explicit PaddedRow(int64_t n)
+      : storage((n + 2 * kV - 1) / (2 * kV) * (2 * kV) + 2 * kV + kAlign) {
+    const auto address = reinterpret_cast<uintptr_t>(storage.data());
+    start = static_cast<int64_t>((64 - address % 64) % 64 / sizeof(opmath));
+  }
+  PaddedRow(const PaddedRow&) = delete;  // a copy would lose the alignment
+  PaddedRow(PaddedRow&&) noexcept = default;  // the buffer moves with its offset
+  opmath* data() { return storage.data() + start; }
+  const opmath* data() const { return storage.data() + start; }
+  int64_t size() const { return static_cast<int64_t>(storage.size()) - kAlign; }
+};
+
+// n elements of x (feature stride xs) into f as opmath.
+template <typename scalar_t>
+void load_row(const scalar_t* x, int64_t xs, int64_t n, opmath_t<scalar_t>* f) {
+  constexpr int64_t kV = Vectorized<opmath_t<scalar_t>>::size();
+  if (xs != 1) {
+    for (int64_t j = 0; j < n; ++j) {
+      f[j] = static_cast<opmath_t<scalar_t>>(x[j * xs]);
+    }
+    return;
+  }
+  int64_t j = 0;
+  for (; j + 2 * kV <= n; j += 2 * kV) {
+    const auto [a, b] = load2(x + j);
+    a.store(f + j);
+    b.store(f + j + kV);
+  }
+  if (j < n) {  // zero-filled past n
+    const auto [a, b] = load2(x + j, n - j);
+    a.store(f + j);
+    b.store(f + j + kV);
+  }
+}
+
+// f[0, n) to out (feature stride os), rounding once.
+template <typename scalar_t>
+void store_row(const opmath_t<scalar_t>* f, scalar_t* out, int64_t os, int64_t n) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  constexpr int64_t kV = V::size();
+  if (os != 1) {
+    for (int64_t j = 0; j < n; ++j) {
+      out[j * os] = static_cast<scalar_t>(f[j]);
+    }
+    return;
+  }
+  int64_t j = 0;
+  for (; j + 2 * kV <= n; j += 2 * kV) {
+    store2(out + j, V::loadu(f + j), V::loadu(f + j + kV));
+  }
+  if (j < n) {
+    store2(out + j, V::loadu(f + j), V::loadu(f + j + kV), n - j);
+  }
+}
+
+// Vectors covering [0, n) of a padded row.
+template <typename opmath>
+int64_t padded_extent(int64_t n) {
+  constexpr int64_t kV = Vectorized<opmath>::size();
+  return (n + kV - 1) / kV * kV;
+}
+
+template <typename opmath>
+opmath sum_of_products(const opmath* a, const opmath* b, int64_t n) {
+  using V = Vectorized<opmath>;
+  V acc(0);
+  for (int64_t j = 0; j < padded_extent<opmath>(n); j += V::size()) {
+    acc = at::vec::fmadd(V::loadu(a + j), V::loadu(b + j), acc);
+  }
+  return at::vec::vec_reduce_all<opmath>([](V& u, V& v) { return u + v; }, acc);
+}
+
+// One operand's scale weight + weight_offset in opmath, padded.
+template <typename scalar_t>
+PaddedRow<opmath_t<scalar_t>> scale_weights(const NormRotaryParams& p, int o) {
+  using opmath = opmath_t<scalar_t>;
+  const int64_t n = p.rotary.operands[o].head_dim;
+  PaddedRow<opmath> w(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = j * p.weight_stride[o];
+    const opmath v = p.weight_float[o] ? static_cast<opmath>(static_cast<const float*>(p.weight[o])[at])
+                                       : static_cast<opmath>(static_cast<const scalar_t*>(p.weight[o])[at]);
+    w.data()[j] = v + static_cast<opmath>(p.weight_offset);
+  }
+  return w;
+}
+
+// Calls fn(o, x offset, out offset, positions offset, span, x / out / positions strides of
+// the span's rows) for the spans of rows [begin, end): runs of rows along an operand's
+// innermost leading dim, the operands' rows in order.
+template <typename Fn>
+void for_each_span(const RotaryParams& p, int64_t begin, int64_t end, Fn&& fn) {
+  int64_t first_row = 0;
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    const int64_t lo = std::max(begin, first_row);
+    const int64_t hi = std::min(end, first_row + op.rows);
+    first_row += op.rows;
+    if (lo >= hi) {
+      continue;
+    }
+    const int64_t inner = op.ndim - 1;
+    const int64_t xs = inner >= 0 ? op.x_strides[inner] : 0;
+    const int64_t os = inner >= 0 ? op.out_strides[inner] : 0;
+    const int64_t ps = inner >= 0 ? op.pos_strides[inner] : 0;
+    RowCursor cursor(op, lo - (first_row - op.rows));
+    for (int64_t row = lo; row < hi;) {
+      const int64_t span = std::min(hi - row, cursor.span());
+      fn(o, cursor.x(), cursor.out(), cursor.pos(), span, xs, os, ps);
+      cursor.advance(span);
+      row += span;
+    }
+  }
+}
+
+// Calls fn(o, x offset, out offset, rotation) for each row of [begin, end), its rotation from
+// `cache`.
+template <typename opmath, typename table_t, typename Fn>
+void for_each_row(const RotaryParams& p, RotationCache<opmath, table_t>& cache, int64_t begin,
+                  int64_t end, Fn&& fn) {
+  for_each_span(p, begin, end, [&](int o, int64_t x_at, int64_t out_at, int64_t pos_at,
+                                   int64_t span, int64_t xs, int64_t os, int64_t ps) {
+    for (int64_t j = 0; j < span; ++j) {
+      fn(o, x_at + j * xs, out_at + j * os, cache.at(pos_at + j * ps));
+    }
+  });
+}
+
+// Normalising and rotating a row whose features are contiguous in x and out takes two
+// passes: load, convert and sum the squares, keeping the opmath values in f; then scale,
+// rotate, round and store, a step of whole vectors at a time. f, w and the rotation are
+// padded with zeros, so the last step's loads run past the row's end; its stores are masked.
+
+// The first pass; returns the row's RMS scale.
+template <typename scalar_t>
+opmath_t<scalar_t> load_row_scale(const scalar_t* x, opmath_t<scalar_t>* f, int64_t n,
+                                  opmath_t<scalar_t> eps) {
+  using opmath = opmath_t<scalar_t>;
+  using V = Vectorized<opmath>;
+  constexpr int64_t kV = V::size();
+  V sum_a(0), sum_b(0);  // two chains of FMAs
+  int64_t j = 0;
+  for (; j + 2 * kV <= n; j += 2 * kV) {
+    const auto [a, b] = load2(x + j);
+    a.store(f + j);
+    b.store(f + j + kV);
+    sum_a = at::vec::fmadd(a, a, sum_a);
+    sum_b = at::vec::fmadd(b, b, sum_b);
+  }
+  if (j < n) {  // zero-filled past n
+    const auto [a, b] = load2(x + j, n - j);
+    a.store(f + j);
+    b.store(f + j + kV);
+    sum_a = at::vec::fmadd(a, a, sum_a);
+    sum_b = at::vec::fmadd(b, b, sum_b);
+  }
+  const opmath sum = at::vec::vec_reduce_all<opmath>([](V& u, V& v) { return u + v; },
+                                                    sum_a + sum_b);
+  return rms_scale(sum, n, eps);
+}
+
+// The second pass.
+template <typename scalar_t, bool kInterleaved>
+void scale_rotate_store(const opmath_t<scalar_t>* f, scalar_t* out, const opmath_t<scalar_t>* w,
+                        opmath_t<scalar_t> scale, const Rotation<opmath_t<scalar_t>>& rotation,
+                        int64_t pairs, int64_t n) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  constexpr int64_t kV = V::size();
+  const V r(scale);
+  auto scaled = [&](int64_t at) { return V::loadu(f + at) * r * V::loadu(w + at); };
+  const int64_t rotary = 2 * pairs;
+  if constexpr (kInterleaved) {
+    for (int64_t i = 0; i < pairs; i += kV) {  // kV pairs: 2kV features
+      const auto [x0, x1] = at::vec::deinterleave2(scaled(2 * i), scaled(2 * i + kV));
+      V y0, y1;
+      rotate_pair(x0, x1, V::loadu(rotation.cos + i), V::loadu(rotation.sin + i), y0, y1);
+      const auto [lo, hi] = at::vec::interleave2(y0, y1);
+      if (2 * i + 2 * kV <= rotary) {
+        store2(out + 2 * i, lo, hi);
+      } else {
+        store2(out + 2 * i, lo, hi, rotary - 2 * i);
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < pairs; i += 2 * kV) {  // 2kV pairs from each half
+      V y0a, y1a, y0b, y1b;
+      rotate_pair(scaled(i), scaled(pairs + i), V::loadu(rotation.cos + i),
+                  V::loadu(rotation.sin + i), y0a, y1a);
+      rotate_pair(scaled(i + kV), scaled(pairs + i + kV), V::loadu(rotation.cos + i + kV),
+                  V::loadu(rotation.sin + i + kV), y0b, y1b);
+      if (i + 2 * kV <= pairs) {
+        store2(out + i, y0a, y0b);
+        store2(out + pairs + i, y1a, y1b);
+      } else {
+        store2(out + i, y0a, y0b, pairs - i);
+        store2(out + pairs + i, y1a, y1b, pairs - i);
+      }
+    }
+  }
+  for (int64_t j = rotary; j < n; j += 2 * kV) {  // the pass-through features, normalised
+    if (j + 2 * kV <= n) {
+      store2(out + j, scaled(j), scaled(j + kV));
+    } else {
+      store2(out + j, scaled(j), scaled(j + kV), n - j);
+    }
+  }
+}
+
+// Rows normalised a group at a time, first passes first: each row's scale is a long chain of
+// dependent operations (sum, reduction, sqrt, division), which the other rows' loads overlap.
+constexpr int64_t kNormGroup = 4;
+
+template <typename scalar_t, typename table_t, bool kInterleaved>
+void norm_rotate_rows(const NormRotaryParams& np,
+                      const PaddedRow<opmath_t<scalar_t>> (&weights)[2], int64_t begin,
+                      int64_t end) {
+  using opmath = opmath_t<scalar_t>;
+  const RotaryParams& p = np.rotary;
+  RotationCache<opmath, table_t> cache(p, 2 * Vectorized<opmath>::size());
+  const int64_t width = std::max(p.operands[0].head_dim, p.operands[p.num_operands - 1].head_dim);
+  PaddedRow<opmath> rows_buffer(kNormGroup * PaddedRow<opmath>(width).size());
+  const int64_t row_stride = PaddedRow<opmath>(width).size();
+  std::vector<scalar_t> gathered;  // rows with strided features, made contiguous
+  const opmath eps = static_cast<opmath>(np.eps);
+  for_each_span(p, begin, end, [&](int o, int64_t x_at, int64_t out_at, int64_t pos_at,
+                                   int64_t span, int64_t xs, int64_t os, int64_t ps) {
+    const RotaryOperand& op = p.operands[o];
+    const int64_t n = op.head_dim;
+    const opmath* w = weights[o].data();
+    const auto* x = static_cast<const scalar_t*>(op.x) + x_at;
+    auto* out = static_cast<scalar_t*>(op.out) + out_at;
+    const bool contiguous = op.x_feature_stride == 1 && op.out_feature_stride == 1;
+    // Groups of rows that share a position (one rotation); single rows otherwise.
+    for (int64_t j0 = 0, group = 1; j0 < span; j0 += group) {
+      group = ps == 0 && contiguous ? std::min(kNormGroup, span - j0) : 1;
+      const Rotation<opmath>& rotation = cache.at(pos_at + j0 * ps);
+      opmath scale[kNormGroup];
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* xr = x + (j0 + g) * xs;
+        if (!contiguous) {
+          gathered.resize(n);
+          for (int64_t f = 0; f < n; ++f) {
+            gathered[f] = xr[f * op.x_feature_stride];
+          }
+          xr = gathered.data();
+        }
+        scale[g] = load_row_scale(xr, rows_buffer.data() + g * row_stride, n, eps);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* outr = out + (j0 + g) * os;
+        scale_rotate_store<scalar_t, kInterleaved>(rows_buffer.data() + g * row_stride,
+                                                   contiguous ? outr : gathered.data(), w,
+                                                   scale[g], rotation, p.rot_pairs, n);
+        if (!contiguous) {
+          for (int64_t f = 0; f < n; ++f) {
+            outr[f * op.out_feature_stride] = gathered[f];
+          }
+        }
+      }
+    }
+  });
+}
+
+// Backward of rows [begin, end), adding each operand's weight gradient into dw[o].
+template <typename scalar_t, typename table_t, bool kInterleaved>
+void norm_rotate_rows_backward(const NormRotaryParams& np,
+                               const PaddedRow<opmath_t<scalar_t>> (&weights)[2],
+                               opmath_t<scalar_t>* const (&dw)[2], int64_t begin, int64_t end) {
+  using opmath = opmath_t<scalar_t>;
+  using V = Vectorized<opmath>;
+  const RotaryParams& p = np.rotary;  // inverse: rotates the gradient back
+  RotationCache<opmath, table_t> cache(p);
+  const int64_t width = std::max(p.operands[0].head_dim, p.operands[p.num_operands - 1].head_dim);
+  PaddedRow<opmath> x_row(width), g_row(width);
+  opmath* x = x_row.data();
+  opmath* g = g_row.data();
+  const opmath eps = static_cast<opmath>(np.eps);
+  for_each_row(p, cache, begin, end, [&](int o, int64_t x_at, int64_t out_at,
+                                         const Rotation<opmath>& rotation) {
+    const RotaryOperand& op = p.operands[o];
+    const int64_t n = op.head_dim;
+    load_row(static_cast<const scalar_t*>(np.input[o]) + x_at, op.x_feature_stride, n, x);
+    const opmath r = rms_scale(sum_of_products(x, x, n), n, eps);
+    load_row(static_cast<const scalar_t*>(op.x) + x_at, op.x_feature_stride, n, g);
+    rotate_contiguous_row<opmath, kInterleaved>(g, g, rotation, p.rot_pairs, n);  // gn
+    const opmath* w = weights[o].data();
+    V dot(0);
+    for (int64_t j = 0; j < padded_extent<opmath>(n); j += V::size()) {
+      const V gn = V::loadu(g + j);
+      const V xv = V::loadu(x + j);
+      at::vec::fmadd(gn * xv, V(r), V::loadu(dw[o] + j)).store(dw[o] + j);
+      const V gw = gn * V::loadu(w + j);
+      gw.store(g + j);
+      dot = at::vec::fmadd(gw, xv, dot);
+    }
+    const V coefficient(rms_grad_coefficient(
+        r, at::vec::vec_reduce_all<opmath>([](V& u, V& v) { return u + v; }, dot), n));
+    for (int64_t j = 0; j < padded_extent<opmath>(n); j += V::size()) {
+      at::vec::fmsub(V::loadu(g + j), V(r), V::loadu(x + j) * coefficient).store(g + j);
+    }
+    store_row(g, static_cast<scalar_t*>(op.out) + out_at, op.out_feature_stride, n);
+  });
+}
+
+}  // namespace
+
+void norm_rotary_kernel(const NormRotaryParams& np, bool backward, at::ScalarType x_dtype,
+                        at::ScalarType table_dtype) {
+  const RotaryParams& p = np.rotary;
+  int64_t rows = 0;
+  for (int o = 0; o < p.num_operands; ++o) {
+    rows += p.operands[o].rows;
+  }
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, p.operands[0].head_dim));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_norm_cpu", [&] {
+    using row_t = scalar_t;
+    using opmath = opmath_t<row_t>;
+    const PaddedRow<opmath> weights[2] = {
+        scale_weights<row_t>(np, 0),
+        p.num_operands > 1 ? scale_weights<row_t>(np, 1) : PaddedRow<opmath>(0)};
+    AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_norm_cpu_table", [&] {
+      using table_t = scalar_t;
+      if (!backward) {
+        at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+          if (p.interleaved) {
+            norm_rotate_rows<row_t, table_t, true>(np, weights, begin, end);
+          } else {
+            norm_rotate_rows<row_t, table_t, false>(np, weights, begin, end);
+          }
+        });
+        return;
+      }
+      // The weight gradients: one accumulator per chunk of rows, the chunks fixed by the
+      // thread count and summed in order, so a run repeats its result bit for bit.
+      const int64_t chunks =
+          std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (rows + grain - 1) / grain));
+      std::vector<PaddedRow<opmath>> partial;  // [chunk][operand]
+      partial.reserve(2 * chunks);
+      for (int64_t c = 0; c < 2 * chunks; ++c) {
+        partial.emplace_back(p.operands[0].head_dim);
+      }
+      at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t c = lo; c < hi; ++c) {
+          opmath* const dw[2] = {partial[2 * c].data(), partial[2 * c + 1].data()};
+          const int64_t begin = rows * c / chunks, end = rows * (c + 1) / chunks;
+          if (p.interleaved) {
+            norm_rotate_rows_backward<row_t, table_t, true>(np, weights, dw, begin, end);
+          } else {
+            norm_rotate_rows_backward<row_t, table_t, false>(np, weights, dw, begin, end);
+          }
+        }
+      });
+      for (int o = 0; o < p.num_operands; ++o) {
+        auto* out = static_cast<opmath*>(np.weight_grad[o]);
+        for (int64_t j = 0; j < p.operands[o].head_dim; ++j) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            out[j] += partial[2 * c + o].data()[j];
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace rope_ext::cpu
