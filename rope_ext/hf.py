@@ -19,20 +19,27 @@ further: their text rotary module's forward is replaced too, so that it returns 
 table and the [3, B, S] position ids (MropePositions) rather than cos/sin built per token, and
 the attention's apply_rotary_pos_emb drop-in rotates q and k natively with the model's
 mrope_section. Their vision towers' apply_rotary_pos_emb_vision goes through the native op.
+
+With enable(fuse_qk_norm=True), the QK-norm families (Qwen3, Qwen3-MoE, Gemma 3; QK_NORM)
+normalise and rotate q and k in one rope_ext.rms_norm_rotary_qk: while their attention's
+forward runs, its q_norm and k_norm return their input, and the apply_rotary_pos_emb call that
+follows applies both norms with the rotation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import pkgutil
 import sys
+import threading
 from typing import NamedTuple
 
 import torch
 
-from . import api
+from . import api, qk_norm
 
 # Families enable() always imports and checks; with all_families=True it checks every family
 # transformers ships, and it always checks every modeling module already imported.
@@ -127,6 +134,33 @@ MROPE_ROTARY = (
     ("qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding", False),
     ("qwen3_vl", "Qwen3VLTextRotaryEmbedding", True),
     ("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding", True),
+)
+
+
+class QKNorm(NamedTuple):
+    """A family whose attention normalises each head of q and k right before the rotation.
+
+    attention, norm: the attention class and the RMSNorm class of its q_norm and k_norm.
+    eps: the norm's attribute holding eps (both norms are built with the config's).
+    weight_offset: what the norm adds to its weight (Gemma's 1 + weight).
+    promotes: the norm's output dtype is the input's promoted with the weight's (Qwen3's
+        weight * x.to(dtype)), else the input's (Gemma 3 casts back).
+    """
+
+    family: str
+    attention: str
+    norm: str
+    eps: str
+    weight_offset: float
+    promotes: bool
+
+
+# enable(fuse_qk_norm=True) fuses these where the installed attention forward calls q_norm,
+# k_norm and then apply_rotary_pos_emb, as transformers 5 and 4.x do.
+QK_NORM = (
+    QKNorm("qwen3", "Qwen3Attention", "Qwen3RMSNorm", "variance_epsilon", 0.0, True),
+    QKNorm("qwen3_moe", "Qwen3MoeAttention", "Qwen3MoeRMSNorm", "variance_epsilon", 0.0, True),
+    QKNorm("gemma3", "Gemma3Attention", "Gemma3RMSNorm", "eps", 1.0, False),
 )
 
 
@@ -320,7 +354,8 @@ def _rope_functions(module) -> dict[str, tuple[object, tuple | None]]:
     return out
 
 
-_patched_forwards: dict[type, object] = {}  # MRoPE rotary class -> transformers' forward
+# MRoPE rotary, QK-norm attention and norm class -> transformers' forward
+_patched_forwards: dict[type, object] = {}
 
 
 def _mrope_table(module, device) -> torch.Tensor:
@@ -364,13 +399,115 @@ def _enable_mrope(module) -> None:
             cls.forward = _mrope_forward(cls.forward, interleaved)
 
 
-def enable(all_families: bool = False) -> list[str]:
+class _Deferred(NamedTuple):
+    """The norms of the QK-norm attention whose forward runs in this thread, from its start to
+    its first rotation; the first n of them (q_norm first, the attention's order) returned
+    their input."""
+
+    spec: QKNorm
+    stock: object  # the norm class's own forward
+    norms: tuple  # (q_norm, k_norm)
+    n: int = 0
+
+
+class _Deferral(threading.local):
+    def __init__(self):  # run in each thread: torch.compile's guards need an instance attribute
+        self.state: _Deferred | None = None
+
+
+_deferral = _Deferral()  # per thread: concurrent models, autograd's recomputation threads
+
+
+def _attention_forward(original, spec: QKNorm, stock):
+    """transformers' attention forward, run with its q_norm and k_norm deferred to the
+    rotation; nested calls keep their own state."""
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        outer = _deferral.state
+        _deferral.state = _Deferred(spec, stock, (self.q_norm, self.k_norm))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _deferral.state = outer
+
+    return forward
+
+
+def _norm_forward(stock):
+    """A QK-norm class forward that returns its input when it is the next norm to defer;
+    transformers' own elsewhere (the class's other norms, a norm with forward hooks, which
+    would see the input)."""
+    @functools.wraps(stock)
+    def forward(self, x):
+        state = _deferral.state
+        if (state is not None and state.n < 2 and self is state.norms[state.n]
+                and not self._forward_hooks):
+            _deferral.state = _Deferred(*state[:3], state.n + 1)
+            return x
+        return stock(self, x)
+
+    return forward
+
+
+def _fused_dropin(v: Variant, plain):
+    """apply_rotary_pos_emb of a QK-norm family: the attention's call after both its norms
+    were deferred runs rms_norm_rotary_qk; any other call runs the deferred norms, if any,
+    with their own forward, then plain (the family's drop-in)."""
+    def fn(q, k, cos, sin, *args, **kwargs):
+        state = _deferral.state
+        if state is None or state.n == 0:
+            return plain(q, k, cos, sin, *args, **kwargs)
+        _deferral.state = None  # norms called after this rotation are not deferred
+        q_norm, k_norm = state.norms
+        if state.n < 2 or args or kwargs:  # (the attention passes four arguments)
+            q = state.stock(q_norm, q)
+            k = state.stock(k_norm, k) if state.n == 2 else k
+            return plain(q, k, cos, sin, *args, **kwargs)
+        # The dtype transformers' norm, then rotation, would give: promote as those do.
+        dtype = torch.promote_types(q.dtype, cos.dtype)
+        if state.spec.promotes:
+            dtype = torch.promote_types(dtype, q_norm.weight.dtype)
+        weights = [w if w.dtype == dtype else w.float() for w in (q_norm.weight, k_norm.weight)]
+        table, positions = _rows_table(cos, sin, 1, v.layout)
+        return qk_norm.rms_norm_rotary_qk(
+            q.to(dtype), k.to(dtype), *weights, table, eps=getattr(q_norm, state.spec.eps),
+            weight_offset=state.spec.weight_offset, positions=positions,
+            interleaved=v.interleaved)
+
+    functools.update_wrapper(fn, plain)
+    return fn
+
+
+def _enable_qk_norm(module) -> None:
+    """Swaps the family's QK_NORM attention and norm forwards, and its apply_rotary_pos_emb
+    drop-in for the fused one, where its attention forward calls q_norm, k_norm and
+    apply_rotary_pos_emb and that function is a variant the fused op rotates as (no inverse,
+    no de-interleaving)."""
+    family = module.__name__.rsplit(".", 2)[-2]
+    for spec in (q for q in QK_NORM if q.family == family):
+        attention, norm = getattr(module, spec.attention, None), getattr(module, spec.norm, None)
+        entry = _rope_functions(module).get("apply_rotary_pos_emb", (None, None))[1]
+        if (attention is None or norm is None or entry is None or attention in _patched_forwards
+                or entry[0].inverse or entry[0].deinterleave
+                or not {"q_norm", "k_norm", "apply_rotary_pos_emb"}
+                <= set(inspect.unwrap(attention.forward).__code__.co_names)):
+            continue
+        stock = _patched_forwards.setdefault(norm, norm.forward)
+        norm.forward = _norm_forward(stock)
+        _patched_forwards[attention] = attention.forward
+        attention.forward = _attention_forward(attention.forward, spec, stock)
+        module.apply_rotary_pos_emb = _fused_dropin(*entry)
+
+
+def enable(all_families: bool = False, fuse_qk_norm: bool = False) -> list[str]:
     """Routes transformers' RoPE functions through rope_ext; returns the modules patched.
 
     Checks the FAMILIES and every already-imported modeling module (all_families=True imports
     and checks every family first) and swaps each function of a known variant for its
     drop-in. transformers 5 marks some of these functions for its kernels hub, which only
     loads hub repositories, so the module attribute the attention layers call is swapped.
+    fuse_qk_norm: also fuse the QK_NORM families' q_norm and k_norm with their rotation
+    (rope_ext.rms_norm_rotary_qk); a later enable() without it leaves them fused.
     """
     for name in _modeling_modules(all_families):
         try:
@@ -382,11 +519,13 @@ def enable(all_families: bool = False) -> list[str]:
                 _patched[(name, fn_name)] = fn
                 setattr(module, fn_name, entry[1])
         _enable_mrope(module)
+        if fuse_qk_norm:
+            _enable_qk_norm(module)
     return sorted({module for module, _ in _patched})
 
 
 def disable() -> None:
-    """Restores transformers' own functions everywhere enable() swapped them."""
+    """Restores transformers' own functions and forwards everywhere enable() swapped them."""
     for (name, fn_name), original in _patched.items():
         setattr(importlib.import_module(name), fn_name, original)
     _patched.clear()
@@ -435,5 +574,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["MROPE_ROTARY", "MropePositions", "VARIANTS", "Variant", "apply_rotary_pos_emb",
-           "coverage", "disable", "enable", "enabled", "rope_parameters", "table_from_config"]
+__all__ = ["MROPE_ROTARY", "MropePositions", "QKNorm", "QK_NORM", "VARIANTS", "Variant",
+           "apply_rotary_pos_emb", "coverage", "disable", "enable", "enabled", "rope_parameters",
+           "table_from_config"]
