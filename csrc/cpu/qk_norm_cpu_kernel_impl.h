@@ -231,6 +231,165 @@ void scale_rotate_store(const opmath_t<scalar_t>* f, scalar_t* out, const opmath
   }
 }
 
+// The fast path: rows whose features are contiguous and all rotated, a whole number of the
+// rotary kernel's steps long (Qwen3, Gemma 3: head_dim 128 or 256). A row stays in registers
+// between the passes, in the lane order of that kernel's steps (the bfloat16 lane tricks
+// included), and the weights and the rotation are held in the same order, made once.
+
+// The opmath values of one step, as rotate_pair takes them: (x0a, x1a) turn by (c0, s0) and,
+// for half-split rows, (x0b, x1b) by (c1, s1).
+template <typename scalar_t>
+struct StepValues {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  V x0a, x1a, x0b, x1b;
+};
+
+template <typename scalar_t, bool kInterleaved>
+StepValues<scalar_t> step_values(const StepInput<scalar_t, kInterleaved>& in) {
+  if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
+    const auto [x0, x1] = split_bf16_lanes(in.lanes0);
+    return {x0, x1, {}, {}};
+  } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
+    const auto [a_even, a_odd] = split_bf16_lanes(in.lanes0);
+    const auto [b_even, b_odd] = split_bf16_lanes(in.lanes1);
+    return {a_even, b_even, a_odd, b_odd};
+  } else if constexpr (kInterleaved) {
+    const auto [x0, x1] = at::vec::deinterleave2(in.a, in.b);
+    return {x0, x1, {}, {}};
+  } else {
+    return {in.a, in.c, in.b, in.d};
+  }
+}
+
+// The weights of the step at pair i, in step_values' order.
+template <typename scalar_t, bool kInterleaved>
+StepValues<scalar_t> weight_step(const opmath_t<scalar_t>* w, int64_t i, int64_t pairs) {
+  using V = Vectorized<opmath_t<scalar_t>>;
+  constexpr int64_t kV = V::size();
+  if constexpr (kInterleaved) {
+    const auto [w0, w1] = at::vec::deinterleave2(V::loadu(w + 2 * i), V::loadu(w + 2 * i + kV));
+    return {w0, w1, {}, {}};
+  } else if constexpr (kBlocked<scalar_t, kInterleaved>) {  // [even pairs, odd pairs]
+    const auto [w0_even, w0_odd] = at::vec::deinterleave2(V::loadu(w + i), V::loadu(w + i + kV));
+    const auto [w1_even, w1_odd] =
+        at::vec::deinterleave2(V::loadu(w + pairs + i), V::loadu(w + pairs + i + kV));
+    return {w0_even, w1_even, w0_odd, w1_odd};
+  } else {
+    return {V::loadu(w + i), V::loadu(w + pairs + i), V::loadu(w + i + kV),
+            V::loadu(w + pairs + i + kV)};
+  }
+}
+
+template <typename scalar_t, bool kInterleaved>
+void store_step(const StepValues<scalar_t>& y, scalar_t* out, int64_t i, int64_t pairs) {
+  if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
+    join_bf16_lanes(y.x0a, y.x1a).store(out + 2 * i);
+  } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
+    join_bf16_lanes(y.x0a, y.x0b).store(out + i);
+    join_bf16_lanes(y.x1a, y.x1b).store(out + pairs + i);
+  } else if constexpr (kInterleaved) {
+    const auto [lo, hi] = at::vec::interleave2(y.x0a, y.x1a);
+    store2(out + 2 * i, lo, hi);
+  } else {
+    store2(out + i, y.x0a, y.x0b);
+    store2(out + pairs + i, y.x1a, y.x1b);
+  }
+}
+
+// The rotation of one pair vector with the weights folded in, so that a row needs no
+// separate scaling: y0 = r (x0 (w0 c) - x1 (w1 s)), y1 = r (x0 (w0 s) + x1 (w1 c)).
+template <typename V>
+struct WeightedRotation {
+  V w0c, w1s, w0s, w1c;
+  WeightedRotation() = default;
+  WeightedRotation(const V& w0, const V& w1, const V& c, const V& s)
+      : w0c(w0 * c), w1s(w1 * s), w0s(w0 * s), w1c(w1 * c) {}
+  void apply(V& x0, V& x1, const V& r) const {
+    const V y0 = at::vec::fmsub(x0, w0c, x1 * w1s);
+    const V y1 = at::vec::fmadd(x0, w0s, x1 * w1c);
+    x0 = y0 * r;
+    x1 = y1 * r;
+  }
+};
+
+// Normalises and rotates `rows` rows (x and out `xs` / `os` elements apart) that share the
+// rotation, two at a time: each row's scale is a chain of dependent operations (sum,
+// reduction, sqrt, division) that the other row's work overlaps.
+template <typename scalar_t, bool kInterleaved, int kSteps>
+void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
+                           int64_t os, const StepValues<scalar_t>* weights,
+                           const Rotation<opmath_t<scalar_t>>& rotation, int64_t pairs,
+                           opmath_t<scalar_t> eps) {
+  using opmath = opmath_t<scalar_t>;
+  using V = Vectorized<opmath>;
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  constexpr int kRows = 2;
+  WeightedRotation<V> turn_a[kSteps], turn_b[kSteps];
+  for (int k = 0; k < kSteps; ++k) {
+    const StepRotation<scalar_t, kInterleaved> step(rotation, k * kStep);
+    const StepValues<scalar_t>& w = weights[k];
+    turn_a[k] = WeightedRotation<V>(w.x0a, w.x1a, step.c0, step.s0);
+    if constexpr (!kInterleaved) {
+      turn_b[k] = WeightedRotation<V>(w.x0b, w.x1b, step.c1, step.s1);
+    }
+  }
+  const int64_t n = 2 * pairs;
+  for (int64_t row = 0; row < rows; row += kRows) {
+    const int group = static_cast<int>(std::min<int64_t>(kRows, rows - row));
+    StepValues<scalar_t> v[kRows][kSteps];
+    opmath scale[kRows];
+    for (int g = 0; g < group; ++g) {
+      V sum_a(0), sum_b(0);
+      for (int k = 0; k < kSteps; ++k) {
+        v[g][k] = step_values<scalar_t, kInterleaved>(
+            load_step<scalar_t, kInterleaved>(x + (row + g) * xs, k * kStep, pairs));
+        sum_a = at::vec::fmadd(v[g][k].x0a, v[g][k].x0a, sum_a);
+        sum_b = at::vec::fmadd(v[g][k].x1a, v[g][k].x1a, sum_b);
+        if constexpr (!kInterleaved) {
+          sum_a = at::vec::fmadd(v[g][k].x0b, v[g][k].x0b, sum_a);
+          sum_b = at::vec::fmadd(v[g][k].x1b, v[g][k].x1b, sum_b);
+        }
+      }
+      scale[g] = rms_scale(
+          at::vec::vec_reduce_all<opmath>([](V& a, V& b) { return a + b; }, sum_a + sum_b), n,
+          eps);
+    }
+    for (int g = 0; g < group; ++g) {
+      const V r(scale[g]);
+      for (int k = 0; k < kSteps; ++k) {
+        StepValues<scalar_t>& s = v[g][k];
+        turn_a[k].apply(s.x0a, s.x1a, r);
+        if constexpr (!kInterleaved) {
+          turn_b[k].apply(s.x0b, s.x1b, r);
+        }
+        store_step<scalar_t, kInterleaved>(s, out + (row + g) * os, k * kStep, pairs);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+using FastSpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
+                            const StepValues<scalar_t>*, const Rotation<opmath_t<scalar_t>>&,
+                            int64_t, opmath_t<scalar_t>);
+
+// The fast span function for rows of `pairs` pairs, all rotated, in 1..8 whole steps; nullptr
+// for other rows.
+template <typename scalar_t, bool kInterleaved>
+FastSpanFn<scalar_t> fast_span_function(int64_t pairs, int64_t head_dim) {
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  if (head_dim != 2 * pairs || pairs % kStep != 0) {
+    return nullptr;
+  }
+  switch (pairs / kStep) {
+    case 1: return norm_rotate_span_fast<scalar_t, kInterleaved, 1>;
+    case 2: return norm_rotate_span_fast<scalar_t, kInterleaved, 2>;
+    case 4: return norm_rotate_span_fast<scalar_t, kInterleaved, 4>;
+    case 8: return norm_rotate_span_fast<scalar_t, kInterleaved, 8>;
+    default: return nullptr;
+  }
+}
+
 // Rows normalised a group at a time, first passes first: each row's scale is a long chain of
 // dependent operations (sum, reduction, sqrt, division), which the other rows' loads overlap.
 constexpr int64_t kNormGroup = 4;
@@ -247,6 +406,16 @@ void norm_rotate_rows(const NormRotaryParams& np,
   const int64_t row_stride = PaddedRow<opmath>(width).size();
   std::vector<scalar_t> gathered;  // rows with strided features, made contiguous
   const opmath eps = static_cast<opmath>(np.eps);
+  // Each operand's weights in the fast path's step order, where it applies.
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  const auto fast = fast_span_function<scalar_t, kInterleaved>(p.rot_pairs, width);
+  std::vector<StepValues<scalar_t>> fast_weights[2];
+  for (int o = 0; o < p.num_operands && fast != nullptr; ++o) {
+    for (int64_t i = 0; i < p.rot_pairs; i += kStep) {
+      fast_weights[o].push_back(
+          weight_step<scalar_t, kInterleaved>(weights[o].data(), i, p.rot_pairs));
+    }
+  }
   for_each_span(p, begin, end, [&](int o, int64_t x_at, int64_t out_at, int64_t pos_at,
                                    int64_t span, int64_t xs, int64_t os, int64_t ps) {
     const RotaryOperand& op = p.operands[o];
@@ -255,6 +424,31 @@ void norm_rotate_rows(const NormRotaryParams& np,
     const auto* x = static_cast<const scalar_t*>(op.x) + x_at;
     auto* out = static_cast<scalar_t*>(op.out) + out_at;
     const bool contiguous = op.x_feature_stride == 1 && op.out_feature_stride == 1;
+    if (fast != nullptr && n == width) {
+      if (contiguous && ps == 0) {
+        fast(x, out, span, xs, os, fast_weights[o].data(), cache.at(pos_at), p.rot_pairs, eps);
+        return;
+      }
+      // Strided rows are gathered and take the same path, so every layout gets the same bits.
+      for (int64_t j = 0; j < span; ++j) {
+        const Rotation<opmath>& rotation = cache.at(pos_at + j * ps);
+        if (contiguous) {
+          fast(x + j * xs, out + j * os, 1, xs, os, fast_weights[o].data(), rotation,
+               p.rot_pairs, eps);
+          continue;
+        }
+        gathered.resize(n);
+        for (int64_t f = 0; f < n; ++f) {
+          gathered[f] = x[j * xs + f * op.x_feature_stride];
+        }
+        fast(gathered.data(), gathered.data(), 1, 0, 0, fast_weights[o].data(), rotation,
+             p.rot_pairs, eps);
+        for (int64_t f = 0; f < n; ++f) {
+          out[j * os + f * op.out_feature_stride] = gathered[f];
+        }
+      }
+      return;
+    }
     // Groups of rows that share a position (one rotation); single rows otherwise.
     for (int64_t j0 = 0, group = 1; j0 < span; j0 += group) {
       group = ps == 0 && contiguous ? std::min(kNormGroup, span - j0) : 1;
