@@ -459,7 +459,9 @@ def _fused_dropin(v: Variant, plain):
             return plain(q, k, cos, sin, *args, **kwargs)
         _deferral.state = None  # norms called after this rotation are not deferred
         q_norm, k_norm = state.norms
-        if state.n < 2 or args or kwargs:  # (the attention passes four arguments)
+        eps = getattr(q_norm, state.spec.eps)
+        # (the attention passes four arguments; the fused op takes one eps for both norms)
+        if state.n < 2 or args or kwargs or getattr(k_norm, state.spec.eps) != eps:
             q = state.stock(q_norm, q)
             k = state.stock(k_norm, k) if state.n == 2 else k
             return plain(q, k, cos, sin, *args, **kwargs)
@@ -470,7 +472,7 @@ def _fused_dropin(v: Variant, plain):
         weights = [w if w.dtype == dtype else w.float() for w in (q_norm.weight, k_norm.weight)]
         table, positions = _rows_table(cos, sin, 1, v.layout)
         return qk_norm.rms_norm_rotary_qk(
-            q.to(dtype), k.to(dtype), *weights, table, eps=getattr(q_norm, state.spec.eps),
+            q.to(dtype), k.to(dtype), *weights, table, eps=eps,
             weight_offset=state.spec.weight_offset, positions=positions,
             interleaved=v.interleaved)
 
