@@ -8,6 +8,11 @@ Examples:
   python benchmarks/bench_rope.py                            # core cases, every device
   python benchmarks/bench_rope.py --suite all --out benchmarks/results/cpu
   python benchmarks/bench_rope.py --suite prefill --device cuda --dtypes bfloat16
+  python benchmarks/bench_rope.py --suite qk_norm --device cpu --out benchmarks/results/cpu_qk_norm
+
+The qk_norm suite (fused RMSNorm + RoPE, rope_ext.rms_norm_rotary_qk) always times its fwd+bwd
+providers, with or without --backward, and adds a table of the issue's target ratios under each
+case's timings (also in OUT.json under "targets").
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 from rope_ext import benchmark
 from rope_ext.benchmark import Case
 
-SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim", "mrope")
+SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim", "mrope",
+          "qk_norm")
 
 
 def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
@@ -51,6 +57,9 @@ def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
         return [c(1, 2048, 32, 8, d, name="head_dim") for d in (64, 80, 128, 256)]
     if suite == "mrope":  # Qwen2.5-VL-7B's attention, text + image positions
         return [c(1, 4096, 28, 4, 128, mrope=True, name="MRoPE")]
+    if suite == "qk_norm":  # Qwen3's per-head RMSNorm + half-split RoPE, fused vs unfused
+        return [c(1, 2048, 32, 8, 128, qk_norm=True, name="QK-norm prefill"),
+                c(32, 1, 32, 8, 128, decode_offset=1000, qk_norm=True, name="QK-norm decode")]
     raise ValueError(suite)
 
 
@@ -116,7 +125,9 @@ def main() -> int:
                         help="comma-separated: bfloat16,float16,float32 (default bfloat16,float32)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile providers")
-    parser.add_argument("--backward", action="store_true", help="add rope_ext forward+backward")
+    parser.add_argument("--backward", action="store_true",
+                        help="add rope_ext forward+backward (the qk_norm suite always has its "
+                             "fwd+bwd providers)")
     parser.add_argument("--min-run-time", type=float, default=0.5,
                         help="seconds of CPU timing per provider (default 0.5)")
     parser.add_argument("--out", type=Path, help="write OUT.csv, OUT.json, OUT.md and OUT.png")
@@ -158,8 +169,10 @@ def main() -> int:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+        targets = benchmark.target_ratios(results)
         args.out.with_suffix(".json").write_text(json.dumps(
-            dict(header=header, results=rows), indent=1))
+            dict(header=header, results=rows, **(dict(targets=targets) if targets else {})),
+            indent=1))
         if plot(results, args.out.with_suffix(".png")):
             print(f"plot: {args.out.with_suffix('.png')}", file=sys.stderr)
     return 0

@@ -5,6 +5,12 @@ Every provider rotates q and k of one case; its bytes are what q and k must move
 written once), so GB/s compares directly with copying the same bytes, measured in the same
 run: `copy_` into preallocated buffers (the bound for in-place calls) and `clone` (a fresh
 allocation, the bound for out-of-place calls).
+
+QK-norm cases (Case.qk_norm) time rope_ext.rms_norm_rotary_qk, per-head RMSNorm then RoPE, against
+RoPE alone and the unfused compositions (F.rms_norm + rope_ext, Hugging Face's Qwen3 eager and
+compiled), forward and forward+backward, and markdown_table adds the ratios the issue's targets
+are stated in (QK_NORM_TARGETS). Their bytes are the same q and k read and written once; a
+fwd+bwd row's GB/s counts only those forward bytes.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import statistics
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from . import _native, api, reference
+from .qk_norm import rms_norm_rotary_qk
 
 
 def cpu_description() -> str:
@@ -59,6 +67,7 @@ class Case:
     decode_offset: int = 0  # positions start here (KV-cache decode)
     varlen: bool = False  # one packed batch of sequences, positions restarting per sequence
     mrope: bool = False  # Qwen2-VL's MRoPE: text, an image grid, text (see mrope_positions)
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm then half-split RoPE (_qk_norm_providers)
     name: str = ""
 
     @property
@@ -216,11 +225,117 @@ def _mrope_providers(case: Case, inputs: Inputs, include_compile: bool):
     return out
 
 
+QK_NORM_EPS = 1e-6  # Qwen3's rms_norm_eps
+
+# Provider names of the QK-norm cases, shared by _qk_norm_providers and QK_NORM_TARGETS.
+ROPE_INPLACE = "rope_ext RoPE alone in-place"
+ROPE = "rope_ext RoPE alone"
+FUSED_INPLACE = "rope_ext fused in-place"
+FUSED = "rope_ext fused"
+F_RMS_ROPE = "F.rms_norm + rope_ext"
+HF_QWEN3 = "eager Qwen3 RMSNorm + rotate_half (HF)"
+HF_QWEN3_COMPILED = "compiled Qwen3 RMSNorm + rotate_half (HF)"
+FUSED_BWD = "rope_ext fused fwd+bwd"
+F_RMS_ROPE_BWD = "F.rms_norm + rope_ext fwd+bwd"
+HF_QWEN3_BWD = "eager Qwen3 (HF) fwd+bwd"
+
+# (what, numerator, denominator, comparison, target): the issue's targets, then (target None)
+# ratios shown for context.
+QK_NORM_TARGETS = [
+    ("fused in-place / RoPE alone in-place", FUSED_INPLACE, ROPE_INPLACE, "<=", 1.25),
+    ("(F.rms_norm + rope_ext) / fused", F_RMS_ROPE, FUSED, ">=", 1.7),
+    ("compiled HF / fused", HF_QWEN3_COMPILED, FUSED, ">=", 5.0),
+    ("eager (F.rms_norm + rope_ext) fwd+bwd / fused fwd+bwd", F_RMS_ROPE_BWD, FUSED_BWD, ">=",
+     2.0),
+    ("fused / RoPE alone (both out of place)", FUSED, ROPE, None, None),
+    ("(F.rms_norm + rope_ext) / fused in-place", F_RMS_ROPE, FUSED_INPLACE, None, None),
+    ("eager HF / fused", HF_QWEN3, FUSED, None, None),
+    ("eager HF fwd+bwd / fused fwd+bwd", HF_QWEN3_BWD, FUSED_BWD, None, None),
+]
+
+
+def _qwen3_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm.forward, line for line: float32 statistics, the normalised
+    row rounded back to x's dtype, then times the weight (x's dtype in a bf16 model)."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+def _qwen3_hf(q, k, q_weight, k_weight, cos, sin, eps):
+    """Qwen3Attention's path from the projections' [B, S, H, D] views: q_norm / k_norm, then
+    transpose(1, 2) to [B, H, S, D] and apply_rotary_pos_emb with cos/sin [B, S, D]."""
+    qh = _qwen3_rms_norm(q, q_weight, eps).transpose(1, 2)
+    kh = _qwen3_rms_norm(k, k_weight, eps).transpose(1, 2)
+    return reference.hf_apply_rotary_pos_emb(qh, kh, cos, sin)
+
+
+def _qk_norm_providers(case: Case, inputs: Inputs, include_compile: bool):
+    """Qwen3's QK-norm + half-split RoPE. The fwd+bwd providers are always included: one of
+    the issue's targets is stated for them. Each fwd+bwd call differentiates outputs . grads
+    (fixed random grads) in q, k and both weights with torch.autograd.grad, so no .grad
+    accumulates between calls."""
+    q, k, table = inputs.q, inputs.k, inputs.freqs_cis
+    eps, head_dim = QK_NORM_EPS, case.head_dim
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen).to(device=case.device, dtype=case.dtype)
+
+    q_weight, k_weight = 1 + 0.1 * rand(head_dim), 1 + 0.1 * rand(head_dim)
+    buffers = (torch.empty_like(q), torch.empty_like(k))
+    rope = dict(offset=case.decode_offset, interleaved=False)
+    # Hugging Face's rotary embedding hands attention cos/sin [B, S, D] in the model's dtype.
+    cos = inputs.cos[None].expand(case.batch, -1, -1).contiguous()
+    sin = inputs.sin[None].expand(case.batch, -1, -1).contiguous()
+
+    def fused(q, k, q_weight, k_weight, inplace=False):
+        return rms_norm_rotary_qk(q, k, q_weight, k_weight, table, eps=eps, inplace=inplace,
+                                  **rope)
+
+    def f_rms_rope(q, k, q_weight, k_weight):
+        return api.apply_rotary_qk(F.rms_norm(q, (head_dim,), q_weight, eps),
+                                   F.rms_norm(k, (head_dim,), k_weight, eps), table, **rope)
+
+    def hf(q, k, q_weight, k_weight):
+        return _qwen3_hf(q, k, q_weight, k_weight, cos, sin, eps)
+
+    out: dict[str, Callable[[], object]] = {
+        "copy_ (bound, in-place)": lambda: (buffers[0].copy_(q), buffers[1].copy_(k)),
+        "clone (bound, out-of-place)": lambda: (q.clone(), k.clone()),
+        ROPE_INPLACE: lambda: api.apply_rotary_qk(q, k, table, inplace=True, **rope),
+        ROPE: lambda: api.apply_rotary_qk(q, k, table, **rope),
+        FUSED_INPLACE: lambda: fused(q, k, q_weight, k_weight, inplace=True),
+        FUSED: lambda: fused(q, k, q_weight, k_weight),
+        F_RMS_ROPE: lambda: f_rms_rope(q, k, q_weight, k_weight),
+        HF_QWEN3: lambda: hf(q, k, q_weight, k_weight),
+    }
+    if include_compile:
+        compiled = _compiled_fn("qwen3_qk_norm", _qwen3_hf)
+        out[HF_QWEN3_COMPILED] = lambda: compiled(q, k, q_weight, k_weight, cos, sin, eps)
+
+    leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, q_weight, k_weight))
+    grads = (rand(*q.shape), rand(*k.shape))
+    grads_h = tuple(g.transpose(1, 2) for g in grads)  # against HF's [B, H, S, D] outputs
+
+    def fwd_bwd(fn, grads):
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, grads)
+
+    out[FUSED_BWD] = fwd_bwd(fused, grads)
+    out[F_RMS_ROPE_BWD] = fwd_bwd(f_rms_rope, grads)
+    out[HF_QWEN3_BWD] = fwd_bwd(hf, grads_h)
+    return out
+
+
 def providers(case: Case, inputs: Inputs, include_compile: bool = True,
               include_backward: bool = False) -> dict[str, Callable[[], object]]:
     """name -> zero-argument callable, for one case. Third-party kernels join when importable."""
     if case.mrope:
         return _mrope_providers(case, inputs, include_compile)
+    if case.qk_norm:
+        return _qk_norm_providers(case, inputs, include_compile)
     q, k, table = inputs.q, inputs.k, inputs.freqs_cis
     where = dict(offset=case.decode_offset, positions=inputs.positions)
     buffers = (torch.empty_like(q), torch.empty_like(k))
@@ -365,8 +480,26 @@ def run_case(case: Case, include_compile: bool = True, include_backward: bool = 
     return [Result(case, name, statistics.median(t)) for name, t in times.items()]
 
 
+def target_ratios(results: list[Result]) -> list[dict]:
+    """QK_NORM_TARGETS's ratios (seconds / seconds) for each case that timed both providers."""
+    rows = []
+    for label in dict.fromkeys(r.case.label() for r in results):
+        by = {r.provider: r.seconds for r in results if r.case.label() == label}
+        for what, num, den, cmp, target in QK_NORM_TARGETS:
+            if num not in by or den not in by:
+                continue
+            ratio = by[num] / by[den]
+            met = None if target is None else (ratio <= target if cmp == "<=" else
+                                               ratio >= target)
+            rows.append(dict(case=label, ratio=what, value=ratio,
+                             target=None if target is None else f"{cmp} {target:g}", met=met))
+    return rows
+
+
 def markdown_table(results: list[Result]) -> str:
-    """One row per provider: ms, GB/s, ratio to the bound it competes with, speedups."""
+    """One row per provider: ms, GB/s, ratio to the bound it competes with, speedups; for
+    QK-norm cases, a table of the issue's target ratios under it."""
+    targets = target_ratios(results)
     lines = []
     for label in dict.fromkeys(r.case.label() for r in results):
         rows = [r for r in results if r.case.label() == label]
@@ -380,4 +513,13 @@ def markdown_table(results: list[Result]) -> str:
             lines.append(f"| {r.provider} | {r.seconds * 1e3:.3f} | {r.gbps:.1f} | "
                          f"{r.seconds / copy:.2f} | {r.seconds / clone:.2f} |")
         lines.append("")
+        mine = [t for t in targets if t["case"] == label]
+        if mine:
+            lines += ["| ratio (time / time) | value | target | met |", "|---|---:|---:|---|"]
+            for t in mine:
+                met = {None: "", True: "yes", False: "**no**"}[t["met"]]
+                lines.append(f"| {t['ratio']} | {t['value']:.2f} | {t['target'] or '-'} | "
+                             f"{met} |")
+            lines += ["", "fwd+bwd rows: forward and backward (q, k and both weights); their "
+                      "GB/s counts only the forward's bytes.", ""]
     return "\n".join(lines)
