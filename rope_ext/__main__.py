@@ -10,11 +10,12 @@ import warnings
 
 import torch
 
-from . import _native, api, benchmark, reference
+from . import _native, api, benchmark, qk_norm, reference
 
 
 def self_check(device: str) -> list[str]:
-    """Compares each op family with the float64 reference; returns failures."""
+    """Compares each op family (rotation, fused RMSNorm + rotation, table) with the float64
+    reference; returns failures."""
     failures = []
     gen = torch.Generator().manual_seed(0)
     table = api.precompute_freqs_cis(64, 128, device=device)
@@ -34,6 +35,15 @@ def self_check(device: str) -> list[str]:
                 err = (g.double() - w).abs().max().item()
                 if err > tol * (1 + w.abs().max().item()):
                     failures.append(f"{device} {dtype} interleaved={interleaved}: error {err:.3g}")
+            weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(device)
+            want = [reference.rms_norm_rotary(t.double(), weight.double(), real, **kwargs)
+                    for t in (q, k)]
+            got = qk_norm.rms_norm_rotary_qk(q, k, weight, weight, table, **kwargs)
+            for g, w in zip(got, want):
+                err = (g.double() - w).abs().max().item()
+                if err > tol * (1 + w.abs().max().item()):
+                    failures.append(f"{device} {dtype} interleaved={interleaved}: "
+                                    f"rms_norm_rotary_qk error {err:.3g}")
     exact = reference.precompute_freqs_cis(64, 128, device=device)
     if (table - exact).abs().max().item() > 1.2e-7:
         failures.append(f"{device} precompute_freqs_cis differs from the float64 table")
