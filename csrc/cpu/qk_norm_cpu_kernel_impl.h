@@ -312,59 +312,73 @@ struct WeightedRotation {
   }
 };
 
-// Normalises and rotates `rows` rows (x and out `xs` / `os` elements apart) that share the
-// rotation, two at a time: each row's scale is a chain of dependent operations (sum,
-// reduction, sqrt, division) that the other row's work overlaps.
+// Normalises and rotates kRows rows (x and out `xs` / `os` elements apart) that share the
+// rotation `turn`, all loaded and summed first: each row's scale is a chain of dependent
+// operations (sum, reduction, sqrt, division) that the other rows' work overlaps. kRows and
+// kSteps are compile-time, so the rows stay in registers (not on the stack, where 64-byte
+// stores read back stall).
+template <typename scalar_t, bool kInterleaved, int kSteps, int kRows>
+void norm_rotate_rows_fast(const scalar_t* x, scalar_t* out, int64_t xs, int64_t os,
+                           const WeightedRotation<Vectorized<opmath_t<scalar_t>>> (&turn)[2][kSteps],
+                           int64_t pairs, opmath_t<scalar_t> eps) {
+  using opmath = opmath_t<scalar_t>;
+  using V = Vectorized<opmath>;
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  StepValues<scalar_t> v[kRows][kSteps];
+  opmath scale[kRows];
+  for (int g = 0; g < kRows; ++g) {
+    V sum_a(0), sum_b(0);
+    for (int k = 0; k < kSteps; ++k) {
+      v[g][k] = step_values<scalar_t, kInterleaved>(
+          load_step<scalar_t, kInterleaved>(x + g * xs, k * kStep, pairs));
+      sum_a = at::vec::fmadd(v[g][k].x0a, v[g][k].x0a, sum_a);
+      sum_b = at::vec::fmadd(v[g][k].x1a, v[g][k].x1a, sum_b);
+      if constexpr (!kInterleaved) {
+        sum_a = at::vec::fmadd(v[g][k].x0b, v[g][k].x0b, sum_a);
+        sum_b = at::vec::fmadd(v[g][k].x1b, v[g][k].x1b, sum_b);
+      }
+    }
+    scale[g] = rms_scale(
+        at::vec::vec_reduce_all<opmath>([](V& a, V& b) { return a + b; }, sum_a + sum_b),
+        2 * pairs, eps);
+  }
+  for (int g = 0; g < kRows; ++g) {
+    const V r(scale[g]);
+    for (int k = 0; k < kSteps; ++k) {
+      turn[0][k].apply(v[g][k].x0a, v[g][k].x1a, r);
+      if constexpr (!kInterleaved) {
+        turn[1][k].apply(v[g][k].x0b, v[g][k].x1b, r);
+      }
+      store_step<scalar_t, kInterleaved>(v[g][k], out + g * os, k * kStep, pairs);
+    }
+  }
+}
+
+// Normalises and rotates `rows` rows that share the rotation, two at a time.
 template <typename scalar_t, bool kInterleaved, int kSteps>
 void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                            int64_t os, const StepValues<scalar_t>* weights,
                            const Rotation<opmath_t<scalar_t>>& rotation, int64_t pairs,
                            opmath_t<scalar_t> eps) {
-  using opmath = opmath_t<scalar_t>;
-  using V = Vectorized<opmath>;
+  using V = Vectorized<opmath_t<scalar_t>>;
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
-  constexpr int kRows = 2;
-  WeightedRotation<V> turn_a[kSteps], turn_b[kSteps];
+  WeightedRotation<V> turn[2][kSteps];  // (x0a, x1a) and (x0b, x1b) of each step
   for (int k = 0; k < kSteps; ++k) {
     const StepRotation<scalar_t, kInterleaved> step(rotation, k * kStep);
     const StepValues<scalar_t>& w = weights[k];
-    turn_a[k] = WeightedRotation<V>(w.x0a, w.x1a, step.c0, step.s0);
+    turn[0][k] = WeightedRotation<V>(w.x0a, w.x1a, step.c0, step.s0);
     if constexpr (!kInterleaved) {
-      turn_b[k] = WeightedRotation<V>(w.x0b, w.x1b, step.c1, step.s1);
+      turn[1][k] = WeightedRotation<V>(w.x0b, w.x1b, step.c1, step.s1);
     }
   }
-  const int64_t n = 2 * pairs;
-  for (int64_t row = 0; row < rows; row += kRows) {
-    const int group = static_cast<int>(std::min<int64_t>(kRows, rows - row));
-    StepValues<scalar_t> v[kRows][kSteps];
-    opmath scale[kRows];
-    for (int g = 0; g < group; ++g) {
-      V sum_a(0), sum_b(0);
-      for (int k = 0; k < kSteps; ++k) {
-        v[g][k] = step_values<scalar_t, kInterleaved>(
-            load_step<scalar_t, kInterleaved>(x + (row + g) * xs, k * kStep, pairs));
-        sum_a = at::vec::fmadd(v[g][k].x0a, v[g][k].x0a, sum_a);
-        sum_b = at::vec::fmadd(v[g][k].x1a, v[g][k].x1a, sum_b);
-        if constexpr (!kInterleaved) {
-          sum_a = at::vec::fmadd(v[g][k].x0b, v[g][k].x0b, sum_a);
-          sum_b = at::vec::fmadd(v[g][k].x1b, v[g][k].x1b, sum_b);
-        }
-      }
-      scale[g] = rms_scale(
-          at::vec::vec_reduce_all<opmath>([](V& a, V& b) { return a + b; }, sum_a + sum_b), n,
-          eps);
-    }
-    for (int g = 0; g < group; ++g) {
-      const V r(scale[g]);
-      for (int k = 0; k < kSteps; ++k) {
-        StepValues<scalar_t>& s = v[g][k];
-        turn_a[k].apply(s.x0a, s.x1a, r);
-        if constexpr (!kInterleaved) {
-          turn_b[k].apply(s.x0b, s.x1b, r);
-        }
-        store_step<scalar_t, kInterleaved>(s, out + (row + g) * os, k * kStep, pairs);
-      }
-    }
+  int64_t row = 0;
+  for (; row + 2 <= rows; row += 2) {
+    norm_rotate_rows_fast<scalar_t, kInterleaved, kSteps, 2>(x + row * xs, out + row * os, xs,
+                                                             os, turn, pairs, eps);
+  }
+  if (row < rows) {
+    norm_rotate_rows_fast<scalar_t, kInterleaved, kSteps, 1>(x + row * xs, out + row * os, xs,
+                                                             os, turn, pairs, eps);
   }
 }
 
