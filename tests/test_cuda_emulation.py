@@ -311,3 +311,167 @@ def test_table_fill_matches_cpu(dtype):
 def test_emulation_rejects_bad_settings():
     with pytest.raises(ValueError, match="sm_count must be >= 0 and blocks_per_sm >= 1"):
         emulation(4, 0)
+
+
+# ---- Fused RMSNorm + RoPE (rms_norm_rotary_qk): csrc/cuda/qk_norm_cuda_kernel.h ----
+
+NORM_LAYOUTS = ["bshd", "bhsd", "positions_int32", "packed", "decode", "offset", "fused_qkv",
+                "misaligned", "strided_features", "many_heads", "empty", "bsd"]
+NORM_WIDTHS = [(128, 128), (128, 64), (256, 256), (80, 80), (72, 40), (6, 4)]
+EPS = 1e-5
+
+
+def norm_weights(head_dim, dtype, gen):
+    """(float32 weights for q, weights of k's dtype): both weight element types."""
+    return ((torch.randn(head_dim, generator=gen) * 0.5 + 1),
+            (torch.randn(head_dim, generator=gen) * 0.5 + 1).to(dtype))
+
+
+def norm_forward(q, k, wq, wk, table, kwargs, interleaved, inplace, weight_offset=0.0):
+    if inplace:
+        q, k = copy_with_layout(q), copy_with_layout(k)
+    return rope_ext.rms_norm_rotary_qk(q, k, wq, wk, table, interleaved=interleaved,
+                                       inplace=inplace, eps=EPS, weight_offset=weight_offset,
+                                       **kwargs)
+
+
+def norm_backward(gq, gk, q, k, wq, wk, table, kwargs, interleaved, weight_offset=0.0):
+    return torch.ops.rope_ext.rms_norm_rotary_qk_backward(
+        gq, gk, q, k, wq, wk, table, kwargs.get("positions"), kwargs.get("offset", 0),
+        kwargs.get("seq_dim", 1), interleaved, EPS, weight_offset, kwargs.get("mrope_section"),
+        kwargs.get("mrope_interleaved", False))
+
+
+def reference_forward_backward(x, w, gy, table, kwargs, interleaved, weight_offset=0.0):
+    """The float64 reference's output and, by autograd, its gradients of x and w."""
+    xd = x.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    if not table.is_complex():
+        table = torch.view_as_complex(table.double().contiguous())
+    y = rope_ext.reference.rms_norm_rotary(xd, wd, table.to(torch.complex128), eps=EPS,
+                                           weight_offset=weight_offset,
+                                           interleaved=interleaved, **kwargs)
+    y.backward(gy.double())
+    return y.detach(), xd.grad, wd.grad
+
+
+def assert_close_ulps(got, want, ulps=2):
+    """Within a few units in the last place of the dtype, relative to the largest value
+    (the sums run in another order; dx = r * g - x * c cancels)."""
+    eps = torch.finfo(got.dtype).eps
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, atol=ulps * eps * scale, rtol=ulps * eps)
+
+
+def assert_weight_grad(got, want, rows):
+    """A weight gradient sums over `rows` rows: rounding grows with them."""
+    eps = torch.finfo(got.dtype).eps
+    tol = max(8 * eps, 4 * torch.finfo(torch.float32).eps * rows)
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+
+
+def check_norm(q, k, table, kwargs, interleaved, gen, gpu=H200, weight_offset=0.0,
+               weights=None):
+    """Forward (out of place and in place) and backward under emulation, against the CPU
+    kernel (a few ulps) and the float64 reference (TOLERANCES); returns the launch log."""
+    from conftest import assert_matches_reference
+
+    D = q.shape[-1]
+    wq, wk = weights if weights is not None else norm_weights(D, q.dtype, gen)
+    gq = torch.randn(q.shape, generator=gen).to(q.dtype)
+    gk = torch.randn(k.shape, generator=gen).to(k.dtype)
+    args = (wq, wk, table, kwargs, interleaved)
+    want = norm_forward(q, k, *args, inplace=False, weight_offset=weight_offset)
+    want_grads = norm_backward(gq, gk, q, k, *args, weight_offset=weight_offset)
+    with emulated(gpu) as launches:
+        got = norm_forward(q, k, *args, inplace=False, weight_offset=weight_offset)
+        got_inplace = norm_forward(q, k, *args, inplace=True, weight_offset=weight_offset)
+        grads = norm_backward(gq, gk, q, k, *args, weight_offset=weight_offset)
+    for g, g_in, w in zip(got, got_inplace, want):
+        assert torch.equal(g, g_in)  # in place: the same kernel, the same bits
+        assert_close_ulps(g, w)
+    for g, w in zip(grads[:2], want_grads[:2]):
+        assert_close_ulps(g, w, ulps=8)
+    for x, w, gy, y, dx, dw in zip((q, k), (wq, wk), (gq, gk), got, grads[:2], grads[2:]):
+        if x.numel() == 0:
+            continue
+        ref_y, ref_dx, ref_dw = reference_forward_backward(x, w, gy, table, kwargs, interleaved,
+                                                           weight_offset)
+        assert_matches_reference(y, ref_y)
+        assert_matches_reference(dx, ref_dx)
+        assert_weight_grad(dw, ref_dw, x.numel() // D)
+    for g, w in zip(grads[2:], want_grads[2:]):
+        assert_weight_grad(g, w, q.numel() // D)
+    return launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("head_dim,rotary_dim", NORM_WIDTHS)
+@pytest.mark.parametrize("layout", NORM_LAYOUTS)
+def test_norm_matches_reference_and_cpu_kernel(dtype, interleaved, head_dim, rotary_dim,
+                                               layout):
+    gen = torch.Generator().manual_seed(head_dim * 7 + rotary_dim)
+    q, k, kwargs = make_case(layout, dtype, head_dim, gen)
+    table = rope_ext.precompute_freqs_cis(rotary_dim, P)
+    launches = check_norm(q, k, table, kwargs, interleaved, gen)
+    # forward twice and backward, one launch each (q and k share a dtype)
+    assert len(launches) == (0 if layout == "empty" else 3), launches
+    v = 16 // q.element_size()
+    rotary_lanes, rotary_ok = divmod(rotary_dim if interleaved else rotary_dim // 2, v)
+    pass_lanes, pass_ok = divmod(head_dim - rotary_dim, v)
+    widths_ok = (head_dim % v == 0 and rotary_ok == 0 and pass_ok == 0
+                 and rotary_lanes + pass_lanes <= 64)
+    for line in launches:
+        # Backward makes strided rows contiguous (with their gradient's layout).
+        aligned = layout != "misaligned" and (layout != "strided_features" or "backward=1" in line)
+        assert line.startswith(f"norm vector={int(aligned and widths_ok)}"), line
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("layout", ["bshd", "misaligned", "many_heads"])
+def test_norm_grid_stride(dtype, interleaved, layout):
+    """One resident block: each warp walks many rows, q and k in one launch."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, kwargs = make_case(layout, dtype, 128, gen)
+    launches = check_norm(q, k, rope_ext.precompute_freqs_cis(64, P), kwargs, interleaved, gen,
+                          gpu=SMALL_GPU)
+    assert all("grid=1 " in line for line in launches), launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "packed", "misaligned"])
+def test_norm_mrope(dtype, interleaved, variant, layout):
+    gen = torch.Generator().manual_seed(12)
+    q, k, kwargs = make_case(layout, dtype, 128, gen)
+    lead = {"bshd": (2, 7, 1), "bhsd": (2, 1, 7), "packed": (13, 1), "misaligned": (2, 5, 1)}
+    kwargs = dict(positions=torch.randint(0, P, (3, *lead[layout]), generator=gen),
+                  seq_dim=kwargs.get("seq_dim", 1), **MROPE[variant])
+    launches = check_norm(q, k, rope_ext.precompute_freqs_cis(128, P), kwargs, interleaved, gen)
+    assert len(launches) == 3 and all("mrope=1" in line for line in launches), launches
+
+
+def test_norm_weight_forms_and_offset():
+    """Strided weights, Gemma's weight_offset = 1, a float64 table, q and k of different
+    dtypes (one launch each)."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, kwargs = make_case("bshd", torch.bfloat16, 128, gen)
+    wq = torch.randn(256, generator=gen)[::2]
+    wk = torch.randn(256, generator=gen).bfloat16()[1::2]
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(96, P)).double()
+    for interleaved in (True, False):
+        check_norm(q, k, table, kwargs, interleaved, gen, weight_offset=1.0, weights=(wq, wk))
+    launches = check_norm(q, k.float(), table, kwargs, True, gen, weights=(wq, wq))
+    assert len(launches) == 6, launches
+
+
+def test_norm_empty_operand():
+    """k without rows (no heads): only q's rows in the launch."""
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(2, 5, 4, 64, generator=gen).bfloat16()
+    k = torch.randn(2, 5, 0, 64, generator=gen).bfloat16()
+    launches = check_norm(q, k, rope_ext.precompute_freqs_cis(64, P), {}, False, gen)
+    assert len(launches) == 3 and all(" op1=" not in line for line in launches), launches

@@ -98,3 +98,38 @@ def test_register_budget(rotary_kernels):
     for k in rotary_kernels:
         budget = 80 if is_vector(k) and not is_mrope(k) else 128
         assert 0 < k.registers <= budget, (k.name, k.registers)
+
+
+# ---- The fused RMSNorm + RoPE kernels (csrc/cuda/qk_norm_cuda_kernel.h) ----
+
+@pytest.fixture(scope="module")
+def norm_kernels():
+    kernels = [k for k in _kernels() if k.name.startswith("void norm_rotary_kernel<")]
+    # 4 element types x 2 pairings x vector/scalar x forward/backward
+    assert len(kernels) == 32, [k.name for k in kernels]
+    return kernels
+
+
+def norm_template_args(kernel):
+    """norm_rotary_kernel<scalar_t, kInterleaved, kVector, kBackward> -> its arguments."""
+    return re.search(r"norm_rotary_kernel<(.*)>\(", kernel.name).group(1).split(", ")
+
+
+def test_norm_no_spills_and_no_local_memory(norm_kernels):
+    bad = [(k.name, k.stack, k.local_accesses) for k in norm_kernels
+           if k.stack or k.local_accesses]
+    assert not bad, bad
+
+
+def test_norm_vector_path_stores_16_bytes(norm_kernels):
+    """Rows (and, in backward, the weight-gradient partials) stored as 16-byte vectors."""
+    for k in norm_kernels:
+        if norm_template_args(k)[2] == "true":
+            assert set(k.stores) == {128}, (k.name, k.stores)
+            assert k.loads.get(128, 0) > 0, (k.name, k.loads)
+
+
+def test_norm_register_budget(norm_kernels):
+    """Built for 2 blocks of 256 threads per SM (kNormMinBlocks): at most 128 registers."""
+    for k in norm_kernels:
+        assert 0 < k.registers <= 128, (k.name, k.registers)

@@ -239,6 +239,10 @@ void launch(const RotaryParams& params, at::ScalarType x_dtype, at::ScalarType t
 
 void launch_norm(const NormRotaryParams& params, bool backward, at::ScalarType x_dtype,
                  at::ScalarType table_dtype, c10::Device) {
+  if (cuda_emulation::active()) {
+    cuda_emulation::launch_norm(params, backward, x_dtype, table_dtype);
+    return;
+  }
   NormRotaryParams p = params;
   const at::Tensor gathered = prepare(p.rotary, x_dtype, table_dtype);
   kernel_choice().norm_kernel(p, backward, x_dtype, table_dtype);

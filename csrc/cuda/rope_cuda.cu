@@ -13,8 +13,10 @@
 #include <sstream>
 #include <vector>
 
+#include "../qk_norm_ops.h"
 #include "../rope_backend.h"
 #include "../rope_build.h"
+#include "qk_norm_cuda_dispatch.h"
 #include "rope_cuda_dispatch.h"
 
 namespace rope_ext {
@@ -57,6 +59,30 @@ __global__ void __launch_bounds__(kThreads, cuda_kernel::min_blocks_per_sm(kVect
   DeviceMem mem;
   cuda_kernel::rotary_thread<scalar_t, table_t, kInterleaved, kVector, kMrope, index_t>(
       kp, blockIdx.x, threadIdx.x, gridDim.x, mem);
+}
+
+// Fused RMSNorm + RoPE: each row's two stages around the group's butterfly (a shuffle every
+// lane of the warp takes part in: NormRowThread::iterations() is the warp's).
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+__global__ void __launch_bounds__(kThreads, cuda_kernel::kNormMinBlocks)
+    norm_rotary_kernel(const __grid_constant__ cuda_kernel::NormKernelParams kp) {
+  using Thread = cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward>;
+  DeviceMem mem;
+  Thread t(kp, blockIdx.x, threadIdx.x);
+  const int64_t iterations = t.iterations(kp);
+#pragma unroll 1
+  for (int64_t it = 0; it < iterations; ++it) {
+    typename Thread::opmath sums[Thread::kSums];
+    t.load(kp, it, mem, sums);
+#pragma unroll 1
+    for (int offset = kp.group / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int s = 0; s < Thread::kSums; ++s) {
+        sums[s] = cuda_kernel::butterfly_add(sums[s], __shfl_xor_sync(0xffffffffu, sums[s], offset));
+      }
+    }
+    t.finish(kp, sums, mem);
+  }
 }
 
 template <typename table_t>
@@ -121,6 +147,42 @@ struct LaunchRotary {
   }
 };
 
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+struct LaunchNorm {
+  static constexpr auto kernel = &norm_rotary_kernel<scalar_t, kInterleaved, kVector, kBackward>;
+
+  static int blocks_per_sm(int device) {
+    static PerDevice blocks;
+    return blocks.get(device, [](int* count) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kThreads, 0));
+      *count = std::max(*count, 1);
+    });
+  }
+
+  static void run(const NormRotaryParams& p, const bool& table_double, const c10::Device& device) {
+    const int index = device.index();
+    cuda_kernel::NormLaunchPlan plan = cuda_kernel::plan_norm(
+        p, sizeof(scalar_t), table_double, sm_count(index), blocks_per_sm(index));
+    at::Tensor partials[2];
+    if (kBackward) {
+      cuda_kernel::make_norm_partials(plan, c10::CppTypeToScalarType<scalar_t>::value, device,
+                                      partials);
+    }
+    kernel<<<plan.grid, kThreads, 0, c10::cuda::getCurrentCUDAStream(index)>>>(plan.k);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (kBackward) {
+      cuda_kernel::add_norm_partials(p, partials);
+    }
+  }
+};
+
+void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                 at::ScalarType table_dtype, c10::Device device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const bool table_double = table_dtype == at::kDouble;
+  cuda_kernel::dispatch_norm<LaunchNorm>(p, backward, x_dtype, table_double, device);
+}
+
 void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
             c10::Device device) {
   const c10::cuda::CUDAGuard guard(device);
@@ -143,6 +205,7 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
 
 // Positions are checked in the kernel (a device-side assert), never by reading them back.
 constexpr Backend kCuda{&launch, nullptr, &fill_freqs_cis};
+constexpr NormBackend kCudaNorm{&launch_norm};
 
 }  // namespace
 }  // namespace cuda
@@ -167,6 +230,10 @@ TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
   m.impl("apply_rotary_", &apply_rotary_<cuda::kCuda>);
   m.impl("apply_rotary_qk", &apply_rotary_qk<cuda::kCuda>);
   m.impl("apply_rotary_qk_", &apply_rotary_qk_<cuda::kCuda>);
+  m.impl("rms_norm_rotary_qk", &rms_norm_rotary_qk<cuda::kCuda, cuda::kCudaNorm>);
+  m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_<cuda::kCuda, cuda::kCudaNorm>);
+  m.impl("rms_norm_rotary_qk_backward",
+         &rms_norm_rotary_qk_backward<cuda::kCuda, cuda::kCudaNorm>);
 }
 
 }  // namespace rope_ext

@@ -22,7 +22,9 @@
 #include <sstream>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
+#include "qk_norm_cuda_dispatch.h"
 #include "rope_cuda_dispatch.h"
 
 namespace rope_ext {
@@ -49,6 +51,11 @@ class CheckedMem {
   // The elements of a tensor (element address -> size in bytes) a thread may read.
   void allow_read(const void* p, size_t size) {
     readable_[reinterpret_cast<uintptr_t>(p)] = static_cast<uint8_t>(size);
+  }
+  // An element of a scratch buffer (the norm kernels' weight-gradient partials): read and
+  // written any number of times, by one thread only.
+  void allow_scratch(void* p, size_t size) {
+    scratch_[reinterpret_cast<uintptr_t>(p)] = Scratch{static_cast<uint8_t>(size), -1};
   }
   // An element of out, and how many times the launch must write it (0 or 1).
   void expect_write(void* p, size_t size, int expected) {
@@ -126,6 +133,9 @@ class CheckedMem {
   }
   // The size of the element at a (size: what the access expects, 0 = any), or raises.
   size_t check_read(uintptr_t a, size_t size) {
+    if (const size_t s = check_scratch(a, size)) {
+      return s;
+    }
     const auto w = writes_.find(a);
     if (w != writes_.end()) {  // in place: x and out are the same elements
       TORCH_CHECK(w->second.writes == 0, where(),
@@ -141,6 +151,10 @@ class CheckedMem {
     return r->second;
   }
   size_t check_write(uintptr_t a, size_t size) {
+    if (const size_t s = check_scratch(a, size)) {
+      ++stores_;
+      return s;
+    }
     const auto w = writes_.find(a);
     TORCH_CHECK(w != writes_.end() && (size == 0 || w->second.size == size), where(),
                 " wrote outside out (", size == 0 ? 16 : size, " bytes at address ", a, ")");
@@ -153,6 +167,19 @@ class CheckedMem {
     ++stores_;
     return w->second.size;
   }
+  // The size of the scratch element at a (0: not scratch); raises if another thread owns it.
+  size_t check_scratch(uintptr_t a, size_t size) {
+    const auto s = scratch_.find(a);
+    if (s == scratch_.end()) {
+      return 0;
+    }
+    TORCH_CHECK(size == 0 || s->second.size == size, where(), " accessed a scratch element of ",
+                static_cast<int>(s->second.size), " bytes as one of ", size);
+    TORCH_CHECK(s->second.owner < 0 || s->second.owner == thread_id(), where(),
+                " accessed a scratch element of another thread (a race on a GPU)");
+    s->second.owner = thread_id();
+    return s->second.size;
+  }
   uintptr_t first_out() const {
     uintptr_t first = UINTPTR_MAX;
     for (const auto& entry : writes_) first = std::min(first, entry.first);
@@ -161,6 +188,11 @@ class CheckedMem {
 
   std::unordered_map<uintptr_t, uint8_t> readable_;
   std::unordered_map<uintptr_t, Write> writes_;
+  struct Scratch {
+    uint8_t size;
+    int64_t owner;
+  };
+  std::unordered_map<uintptr_t, Scratch> scratch_;
   int64_t block_ = -1;
   int32_t thread_ = -1;
   size_t reads_ = 0;
@@ -234,6 +266,110 @@ struct EmulateRotary {
   }
 };
 
+// Registers what a norm launch may read and must write: the rotary operands' memory with
+// every feature written once (the pass-through ones too, normalised), the weights, the
+// forward's input (backward, at x's offsets) and the weight-gradient partials.
+void map_norm_memory(CheckedMem& mem, const cuda_kernel::NormKernelParams& k, size_t elem,
+                     size_t table_elem) {
+  const NormRotaryParams& n = k.n;
+  const RotaryParams& p = n.rotary;
+  map_memory(mem, p, elem, table_elem);
+  const size_t opmath_elem = elem == 8 ? 8 : 4;
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    for (int64_t row = 0; row < op.rows; ++row) {
+      const RowOffsets off = row_offsets(op, row);
+      for (int64_t f = 0; f < op.head_dim; ++f) {
+        mem.expect_write(static_cast<char*>(op.out) + (off.out + f * op.out_feature_stride) * elem,
+                         elem, 1);
+        if (n.input[o] != nullptr) {
+          mem.allow_read(static_cast<const char*>(n.input[o]) +
+                             (off.x + f * op.x_feature_stride) * elem,
+                         elem);
+        }
+      }
+    }
+    const size_t weight_elem = n.weight_float[o] ? 4 : elem;
+    for (int64_t f = 0; f < op.head_dim; ++f) {
+      mem.allow_read(static_cast<const char*>(n.weight[o]) + f * n.weight_stride[o] * weight_elem,
+                     weight_elem);
+    }
+    if (k.partial[o] != nullptr) {
+      for (int64_t e = 0; e < k.groups * op.head_dim; ++e) {
+        mem.allow_scratch(static_cast<char*>(k.partial[o]) + e * opmath_elem, opmath_elem);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+struct EmulateNorm {
+  // Each warp as the GPU runs it: load() on its 32 lanes, the butterfly over each group's
+  // lanes in the kernel's order, then finish().
+  static void run(const NormRotaryParams& p, at::ScalarType table_dtype) {
+    using Thread = cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward>;
+    using opmath = typename Thread::opmath;
+    constexpr int kWarp = cuda_kernel::kNormMaxGroup;
+    cuda_kernel::NormLaunchPlan plan =
+        cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble,
+                               g_sm_count.load(), g_blocks_per_sm.load());
+    TORCH_INTERNAL_ASSERT(plan.vector == kVector);
+    at::Tensor partials[2];
+    if (kBackward) {
+      cuda_kernel::make_norm_partials(plan, c10::CppTypeToScalarType<scalar_t>::value,
+                                      c10::Device(c10::kCPU), partials);
+    }
+    const cuda_kernel::NormKernelParams& k = plan.k;
+    CheckedMem mem;
+    map_norm_memory(mem, k, sizeof(scalar_t), c10::elementSize(table_dtype));
+    for (int64_t block = 0; block < plan.grid; ++block) {
+      for (int32_t warp = 0; warp < kThreads; warp += kWarp) {
+        std::vector<Thread> lanes;
+        for (int32_t l = 0; l < kWarp; ++l) {
+          lanes.emplace_back(k, block, warp + l);
+        }
+        const int64_t iterations = lanes[0].iterations(k);
+        for (int32_t l = 0; l < kWarp; ++l) {
+          TORCH_INTERNAL_ASSERT(lanes[l].iterations(k) == iterations);
+        }
+        for (int64_t it = 0; it < iterations; ++it) {
+          opmath sums[kWarp][Thread::kSums];
+          for (int32_t l = 0; l < kWarp; ++l) {
+            mem.at(block, warp + l);
+            lanes[l].load(k, it, mem, sums[l]);
+          }
+          for (int32_t offset = k.group / 2; offset > 0; offset /= 2) {
+            opmath before[kWarp][Thread::kSums];
+            memcpy(before, sums, sizeof(sums));
+            for (int32_t l = 0; l < kWarp; ++l) {
+              for (int s = 0; s < Thread::kSums; ++s) {
+                sums[l][s] = cuda_kernel::butterfly_add(before[l][s], before[l ^ offset][s]);
+              }
+            }
+          }
+          for (int32_t l = 0; l < kWarp; ++l) {
+            mem.at(block, warp + l);
+            lanes[l].finish(k, sums[l], mem);
+          }
+        }
+      }
+    }
+    mem.check_all_written();
+    if (kBackward) {
+      cuda_kernel::add_norm_partials(p, partials);
+    }
+    std::ostringstream s;
+    s << "norm vector=" << kVector << " interleaved=" << kInterleaved
+      << " backward=" << kBackward << " mrope=" << (p.rotary.mrope_axes > 0)
+      << " grid=" << plan.grid << " group=" << k.group << " groups=" << k.groups;
+    for (int o = 0; o < p.rotary.num_operands; ++o) {
+      s << " op" << o << "=(rows=" << k.rows[o] << " lanes=" << k.lanes[o] << ")";
+    }
+    s << " reads=" << mem.reads() << " writes=" << mem.writes();
+    log_line(s.str());
+  }
+};
+
 std::string set_emulation(int64_t sm_count, int64_t blocks_per_sm) {
   TORCH_CHECK_VALUE(sm_count >= 0 && blocks_per_sm >= 1,
                     "_cuda_emulation: sm_count must be >= 0 and blocks_per_sm >= 1, got ",
@@ -281,6 +417,11 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
     mem.check_all_written();
   });
   log_line("fill_freqs_cis threads=" + std::to_string(threads));
+}
+
+void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                 at::ScalarType table_dtype) {
+  cuda_kernel::dispatch_norm<EmulateNorm>(p, backward, x_dtype, table_dtype);
 }
 
 }  // namespace cuda_emulation

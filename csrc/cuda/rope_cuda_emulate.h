@@ -5,7 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "../rope_math.h"
+#include "../qk_norm.h"
 
 namespace rope_ext {
 namespace cuda_emulation {
@@ -13,6 +13,8 @@ namespace cuda_emulation {
 bool active();
 void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude);
+void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
+                 at::ScalarType table_dtype);
 
 }  // namespace cuda_emulation
 }  // namespace rope_ext
