@@ -1,4 +1,5 @@
-"""CUDA-only behaviour: agreement with the CPU kernels, vector and scalar paths, CUDA graphs,
+"""CUDA-only behaviour: agreement with the CPU kernels (and, for the fused norm, with the host
+emulation), vector and scalar paths, CUDA graphs,
 reduce-overhead compile, device-side position asserts."""
 
 import os
@@ -106,3 +107,66 @@ def test_other_stream_and_device_guard():
         got = rope_ext.apply_rotary(x, table)
     torch.cuda.current_stream().wait_stream(stream)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("head_dim,rotary_dim",
+                         [(128, 128), (128, 64), (256, 256), (80, 80), (72, 40), (6, 4)])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_norm_cuda_agrees_with_emulation(dtype, interleaved, head_dim, rotary_dim, misaligned):
+    """Fused RMSNorm + RoPE, forward and backward: the GPU computes bit for bit what the host
+    emulation of the same kernels computes (same thread functions, same butterfly order;
+    tests/test_cuda_emulation.py); the weight gradients, summed over another number of
+    partial rows, agree to rounding."""
+    gen = torch.Generator().manual_seed(1)
+    D = head_dim
+    base = torch.randn(2 * 9 * 6 * D + 1, generator=gen).to(dtype)
+    k = torch.randn(2, 9, 2, D, generator=gen).to(dtype)
+    wq = torch.randn(D, generator=gen) * 0.5 + 1
+    wk = (torch.randn(D, generator=gen) * 0.5 + 1).to(dtype)
+    gq = torch.randn(2, 9, 6, D, generator=gen).to(dtype)
+    gk = torch.randn(2, 9, 2, D, generator=gen).to(dtype)
+    table = rope_ext.precompute_freqs_cis(rotary_dim, 40)
+    positions = torch.randint(0, 40, (2, 9, 1), generator=gen)
+    ops = torch.ops.rope_ext
+
+    def run(base, k, wq, wk, gq, gk, table, positions):
+        # A storage offset of one element defeats 16-byte alignment: the scalar path.
+        q = (base[1:] if misaligned else base[:-1]).view(2, 9, 6, D)
+        args = (table, positions, 0, 1, interleaved, 1e-5, 0.0, None, False)
+        return (*ops.rms_norm_rotary_qk(q, k, wq, wk, *args),
+                *ops.rms_norm_rotary_qk_backward(gq, gk, q, k, wq, wk, *args))
+
+    ops._cuda_emulation(132, 2)
+    try:
+        want = run(base, k, wq, wk, gq, gk, table, positions)
+    finally:
+        ops._cuda_emulation(0)
+    got = [t.cpu() for t in run(*(t.cuda() for t in (base, k, wq, wk, gq, gk, table,
+                                                      positions)))]
+    for g, w in zip(got[:4], want[:4]):  # q_out, k_out, dq, dk
+        assert torch.equal(g, w), (g.double() - w.double()).abs().max()
+    for g, w in zip(got[4:], want[4:]):  # dwq, dwk
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_norm_cuda_graph_capture():
+    """The norm kernels launch on the current stream: they can be captured and replayed."""
+    table = rope_ext.precompute_freqs_cis(128, 64, device="cuda")
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    wq = torch.randn(128, device="cuda")
+    wk = torch.randn(128, device="cuda")
+    want = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, table)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rope_ext.rms_norm_rotary_qk(q, k, wq, wk, table)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, table)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])

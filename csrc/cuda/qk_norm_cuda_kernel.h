@@ -13,7 +13,7 @@
 //   load() for all 32 lanes of a warp, adds the sums in the same butterfly order
 //   (butterfly_add), then runs finish(). Both compute the same values, bit for bit.
 // - Vector path (features contiguous, rows 16-byte aligned, the rotary half or rotary width
-//   and the pass-through width whole 16-byte chunks): a thread owns up to kNormMaxSlots
+//   and the pass-through width whole 16-byte chunks): a thread owns up to norm_max_slots()
 //   "lanes" of a row: a rotary lane is chunk c of the first half and chunk c of the second
 //   (half-split pairs, so a pair never crosses threads) or one chunk of interleaved pairs; a
 //   pass-through lane one chunk of [R, D), normalised but not rotated. 16-byte loads and stores.
@@ -35,7 +35,13 @@ namespace rope_ext {
 namespace cuda_kernel {
 
 constexpr int kNormMaxGroup = 32;  // a warp
-constexpr int kNormMaxSlots = 2;   // vector lanes per thread of a row
+
+// Vector lanes a thread holds of a row: 2, so that a warp covers rows of 64 lanes (256
+// features of 32-bit x, interleaved); 1 for 16-bit x, whose 32 lanes already cover 256
+// features (and whose backward would spill with 2).
+ROPE_HD constexpr int norm_max_slots(size_t elem) {
+  return elem == 2 ? 1 : 2;
+}
 constexpr int kNormScalarSpan = 8; // features per thread the scalar path aims for
 // Blocks per SM the norm kernels are built for (launch bounds): at most 128 registers.
 constexpr int kNormMinBlocks = 2;
@@ -75,6 +81,7 @@ class NormRowThread {
   static constexpr int kSums = kBackward ? 2 : 1;  // sum(x^2), and sum(g * x) in backward
   static constexpr int V = Io::kCount;             // elements of a chunk
   static constexpr int kChunks = kInterleaved ? 1 : 2;  // chunks of a rotary lane
+  static constexpr int kSlots = norm_max_slots(sizeof(scalar_t));
 
   ROPE_HD NormRowThread(const NormKernelParams& kp, int64_t block, int32_t thread) {
     const int64_t global = block * kThreads + thread;
@@ -113,7 +120,7 @@ class NormRowThread {
     const scalar_t* x = row_x(kp);
     if constexpr (kVector) {
 #pragma unroll
-      for (int s = 0; s < kNormMaxSlots; ++s) {
+      for (int s = 0; s < kSlots; ++s) {
         const int32_t lane = lane_ + s * kp.group;
         if (lane >= kp.lanes[o_]) continue;
         const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
@@ -180,7 +187,7 @@ class NormRowThread {
     opmath* partial = kBackward ? static_cast<opmath*>(kp.partial[o_]) + group_ * n : nullptr;
     if constexpr (kVector) {
 #pragma unroll
-      for (int s = 0; s < kNormMaxSlots; ++s) {
+      for (int s = 0; s < kSlots; ++s) {
         const int32_t lane = lane_ + s * kp.group;
         if (lane >= kp.lanes[o_]) continue;
         Bits128 y[kChunks];
@@ -380,8 +387,8 @@ class NormRowThread {
   int o_ = 0;                  // its operand
   int64_t x_off_ = 0, out_off_ = 0, pos_off_ = 0;
   int64_t position_ = 0;       // its position (not MRoPE)
-  Bits128 x_[kVector ? kNormMaxSlots : 1][kChunks];   // vector path: the row's chunks
-  Bits128 gy_[kVector && kBackward ? kNormMaxSlots : 1][kChunks];
+  Bits128 x_[kVector ? kSlots : 1][kChunks];   // vector path: the row's chunks
+  Bits128 gy_[kVector && kBackward ? kSlots : 1][kChunks];
 };
 
 // ---- Host side: the launch plan, shared by the CUDA launcher and the emulation ----
@@ -405,7 +412,7 @@ inline bool norm_vector_path(const NormRotaryParams& n, size_t elem) {
     const int64_t lanes = (p.interleaved ? rotary : p.rot_pairs) / v + (op.head_dim - rotary) / v;
     bool ok = op.x_feature_stride == 1 && op.out_feature_stride == 1 &&
               (p.interleaved ? rotary : p.rot_pairs) % v == 0 && (op.head_dim - rotary) % v == 0 &&
-              lanes <= kNormMaxGroup * kNormMaxSlots && aligned(op.x) && aligned(op.out) &&
+              lanes <= kNormMaxGroup * norm_max_slots(elem) && aligned(op.x) && aligned(op.out) &&
               aligned(n.input[o]);
     for (int64_t d = 0; ok && d < op.ndim; ++d) {
       ok = op.x_strides[d] % v == 0 && op.out_strides[d] % v == 0;
@@ -439,7 +446,7 @@ inline NormLaunchPlan plan_norm(const NormRotaryParams& n, size_t elem, bool tab
       widest = std::max<int64_t>(widest, (op.head_dim + kNormScalarSpan - 1) / kNormScalarSpan);
     }
   }
-  // Vector: a lane per thread where a warp holds them (else kNormMaxSlots); scalar: about
+  // Vector: a lane per thread where a warp holds them (else norm_max_slots()); scalar: about
   // kNormScalarSpan features per thread.
   k.group = std::min<int32_t>(kNormMaxGroup, next_power_of_two(widest));
   const int64_t blocks = (k.total_rows * k.group + kThreads - 1) / kThreads;
