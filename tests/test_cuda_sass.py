@@ -9,6 +9,9 @@ fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this canno
 - Registers: the vector kernels are built for 3 blocks of 256 threads per SM (768 resident
   threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar and MRoPE
   kernels for 2 (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
+- The fused RMSNorm + RoPE kernels (norm_rotary_kernel): no spills or local memory; on the
+  vector path every global store is 16 bytes (rows, and the backward's weight-gradient
+  partials); at most 128 registers (kNormMinBlocks = 2 blocks of 256 threads per SM).
 """
 
 import os
