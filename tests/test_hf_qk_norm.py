@@ -140,6 +140,21 @@ def test_a_norm_with_a_forward_hook_runs_its_own_forward(family, fused_calls):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_norms_with_different_eps_run_their_own_forwards(family, fused_calls):
+    """The fused op takes one eps: an attention whose q_norm and k_norm differ in it falls
+    back to the norms' own forwards and the plain rotation."""
+    model = tiny_model(family)
+    spec = next(s for s in rope_ext.hf.QK_NORM if s.family == family)
+    setattr(model.model.layers[0].self_attn.k_norm, spec.eps, 1e-2)
+    want = run(model)[0]
+    rope_ext.hf.enable(fuse_qk_norm=True)
+    with torch.no_grad():
+        got = model(IDS).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(fused_calls) == LAYERS - 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_disable_restores_and_plain_enable_leaves_the_norms(family, fused_calls):
     module, attention, norm = classes(family)
     stock = (module.apply_rotary_pos_emb, attention.forward, norm.forward)
