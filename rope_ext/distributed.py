@@ -1,7 +1,9 @@
 """rope_ext on DTensors (tensor, context and data parallel training).
 
 Sharding rules for every rotary op let DTensor q and k run the native kernel on their local
-shards with no communication:
+shards with no communication (the fused RMSNorm + RoPE ops too, but never on Partial inputs,
+the norm not being linear; their weights replicated, the weights' gradients Partial over
+sharded rows):
 
 - Shard on any leading dim of x other than the sequence dim (batch, heads), and Replicate:
   the outputs are placed as the inputs. With positions, the sequence dim may be sharded too,
@@ -98,10 +100,44 @@ def _propagates_ops_returning_nothing() -> bool:
 
 INPLACE_SUPPORTED = _propagates_ops_returning_nothing()
 
+def _norm_strategies(q, k, positions, seq_dim, mrope_section):
+    """The fused RMSNorm + RoPE ops': the rotary ops' strategies but Partial (the norm is not
+    linear), with the weights replicated (inputs q, k, q_weight, k_weight, table, positions)."""
+    skip = 0 if mrope_section is None else 1
+    return [(outputs, inputs[:2] + [Replicate(), Replicate()] + inputs[2:])
+            for outputs, inputs in _strategies([q, k], positions, seq_dim, skip)
+            if not isinstance(outputs[0], Partial)]
+
+
+def _norm_rule(inplace: bool):
+    def rule(q, k, q_weight, k_weight, freqs_cis, positions=None, offset=0, seq_dim=1,
+             interleaved=True, eps=1e-6, weight_offset=0.0, mrope_section=None,
+             mrope_interleaved=False):
+        # The seven non-tensor arguments take no placement.
+        return [([] if inplace else outputs, inputs + [None] * 7)
+                for outputs, inputs in _norm_strategies(q, k, positions, seq_dim, mrope_section)]
+    return rule
+
+
+def _norm_backward_rule(grad_q, grad_k, q, k, q_weight, k_weight, freqs_cis, positions=None,
+                        offset=0, seq_dim=1, interleaved=True, eps=1e-6, weight_offset=0.0,
+                        mrope_section=None, mrope_interleaved=False):
+    """The gradients placed as q and k; the weights' gradients sum each rank's rows: Partial
+    where the rows are sharded, Replicate where every rank holds them all."""
+    out = []
+    for outputs, inputs in _norm_strategies(q, k, positions, seq_dim, mrope_section):
+        weight_grad = Replicate() if isinstance(outputs[0], Replicate) else Partial()
+        out.append((outputs + [weight_grad, weight_grad], inputs[:2] + inputs + [None] * 7))
+    return out
+
+
 register_sharding(OPS.apply_rotary.default)(_rule(inplace=False))
 register_sharding(OPS.apply_rotary_.default)(_rule(inplace=True))
 register_sharding(OPS.apply_rotary_qk.default)(_qk_rule(inplace=False))
 register_sharding(OPS.apply_rotary_qk_.default)(_qk_rule(inplace=True))
+register_sharding(OPS.rms_norm_rotary_qk.default)(_norm_rule(inplace=False))
+register_sharding(OPS.rms_norm_rotary_qk_.default)(_norm_rule(inplace=True))
+register_sharding(OPS.rms_norm_rotary_qk_backward.default)(_norm_backward_rule)
 
 
 # ----------------------------------------------------------------------------- the Python API
@@ -183,6 +219,13 @@ def prepare(op: str, xs: list[DTensor], table, positions, offset, seq_dim,
                              f"{'q' if len(xs) == 2 else 'x'} {tuple(xs[0].placements)} needs "
                              f"them {tuple(want)}")
     return table, positions
+
+
+def replicate(t: torch.Tensor, mesh) -> DTensor:
+    """t as a DTensor on mesh: a plain tensor (every rank's whole copy) replicated."""
+    if isinstance(t, DTensor):
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def table_grad(local_fn, grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from . import _checks, _native, reference
-from .api import _table_arg
+from .api import _dtensor_inputs, _table_arg, is_dtensor
 
 
 def rms_norm_rotary_qk(
@@ -45,10 +45,18 @@ def rms_norm_rotary_qk(
         inplace: write into q and k and return them.
 
     Differentiable in q, k, the weights (their gradients summed over rows in float32) and
-    the table.
+    the table. DTensor q and k: as for apply_rotary_qk (rope_ext.distributed), never Partial;
+    plain weights are taken as replicated.
     """
     mrope_section = None if mrope_section is None else list(mrope_section)
-    table = _table_arg(freqs_cis)
+    op = "rms_norm_rotary_qk_" if inplace else "rms_norm_rotary_qk"
+    table, positions = _dtensor_inputs(op, [q, k], _table_arg(freqs_cis), positions, offset,
+                                       seq_dim, mrope_section)
+    if is_dtensor(q):  # plain weights: every rank's whole copy
+        from . import distributed
+
+        q_weight, k_weight = (distributed.replicate(w, q.device_mesh)
+                              for w in (q_weight, k_weight))
     if _native.serves(q):
         args = (q_weight, k_weight, table, positions, offset, seq_dim, interleaved, eps,
                 weight_offset, mrope_section, mrope_interleaved)
@@ -56,7 +64,6 @@ def rms_norm_rotary_qk(
             torch.ops.rope_ext.rms_norm_rotary_qk_.default(q, k, *args)
             return q, k
         return torch.ops.rope_ext.rms_norm_rotary_qk.default(q, k, *args)
-    op = "rms_norm_rotary_qk_" if inplace else "rms_norm_rotary_qk"
     _checks.check_norm_args(op, q, k, q_weight, k_weight, table, positions, offset, seq_dim, eps,
                             mrope_section, mrope_interleaved)
     if inplace:

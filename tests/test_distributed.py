@@ -275,6 +275,49 @@ def scenario_mrope(mesh):
                                        msg=lambda m: f"{what}: {m}")
 
 
+def scenario_qk_norm(mesh):
+    """Fused RMSNorm + RoPE on DTensors: q and k sharded on batch, sequence (their positions
+    made global) or heads, plain weights taken as replicated; values and the gradients of q,
+    k and both weights (Partial sums of each rank's rows, reduced) against one process. A
+    Partial q is gathered first (the norm is not linear)."""
+    import rope_ext
+    import rope_ext.distributed
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    q, k, _, _ = _inputs(torch.float64)  # 7 rows: uneven sequence shards
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(32, 16, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(2)
+    weights = [torch.randn(32, generator=gen, dtype=torch.float64) * 0.5 + 1 for _ in range(2)]
+    kw = dict(interleaved=False, weight_offset=0.5)
+    for placements in ([Shard(0)], [Shard(1)], [Shard(2)], [Replicate()]):
+        what = f"rms_norm_rotary_qk {placements}"
+        leaves = [t.clone().requires_grad_() for t in (q, k, *weights)]
+        want = rope_ext.rms_norm_rotary_qk(*leaves, table, **kw)
+        sum(w.square().sum() for w in want).backward()
+        dq, dk = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k))
+        ws = [w.clone().requires_grad_() for w in weights]
+        got = rope_ext.rms_norm_rotary_qk(dq, dk, *ws, table, **kw)
+        for g, w in zip(got, want):
+            assert list(g.placements) == placements, what
+            torch.testing.assert_close(g.full_tensor(), w.detach(), atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{what}: {m}")
+        if rope_ext.distributed.INPLACE_SUPPORTED:
+            iq, ik = dq.detach().clone(), dk.detach().clone()
+            rope_ext.rms_norm_rotary_qk(iq, ik, *weights, table, inplace=True, **kw)
+            _equal(iq, got[0].detach().full_tensor(), what + " in place")
+        sum(g.square().sum() for g in got).backward()
+        for d, leaf in zip((dq.grad.full_tensor(), dk.grad.full_tensor(), *(w.grad for w in ws)),
+                           leaves):
+            torch.testing.assert_close(d, leaf.grad, atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{what} gradients: {m}")
+    # Partial q: DTensor reduces it before the (nonlinear) norm.
+    partial = DTensor.from_local(q / WORLD, mesh, [Partial()], run_check=False)  # exact halves
+    got = rope_ext.rms_norm_rotary_qk(partial, distribute_tensor(k, mesh, [Replicate()]),
+                                      *weights, table, **kw)
+    want = rope_ext.rms_norm_rotary_qk(q, k, *weights, table, **kw)
+    torch.testing.assert_close(got[0].full_tensor(), want[0], atol=1e-12, rtol=1e-12)
+
+
 def scenario_errors(mesh):
     """Bad placements and meshes: clear errors naming them, before anything is written."""
     import rope_ext
@@ -328,7 +371,8 @@ def scenario_compile(mesh):
 
 
 @pytest.mark.parametrize("scenario", ["scenario_placements", "scenario_context_parallel",
-                                      "scenario_backward", "scenario_mrope", "scenario_errors",
+                                      "scenario_backward", "scenario_mrope", "scenario_qk_norm",
+                                      "scenario_errors",
                                       "scenario_compile"])
 def test_dtensor(scenario):
     run(scenario)
