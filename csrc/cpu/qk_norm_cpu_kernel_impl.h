@@ -23,8 +23,11 @@ struct PaddedRow {
   static constexpr int64_t kAlign = 64 / sizeof(opmath);
   std::vector<opmath> storage;
   int64_t start;
-  explicit PaddedRow(int64_t n)
-      : storage((n + 2 * kV - 1) / (2 * kV) * (2 * kV) + 2 * kV + kAlign) {
+  // The elements a row of n holds: n rounded up to whole vector pairs, and one pair more.
+  static int64_t padded_size(int64_t n) {
+    return (n + 2 * kV - 1) / (2 * kV) * (2 * kV) + 2 * kV;
+  }
+  explicit PaddedRow(int64_t n) : storage(padded_size(n) + kAlign) {
     const auto address = reinterpret_cast<uintptr_t>(storage.data());
     start = static_cast<int64_t>((64 - address % 64) % 64 / sizeof(opmath));
   }
@@ -35,27 +38,47 @@ struct PaddedRow {
   int64_t size() const { return static_cast<int64_t>(storage.size()) - kAlign; }
 };
 
+// n contiguous elements of x into f as opmath, zero-filled past n to whole vector pairs;
+// with kSumSquares, returns the sum of their squares too (0 otherwise), in the same pass.
+template <bool kSumSquares, typename scalar_t>
+opmath_t<scalar_t> load_contiguous_row(const scalar_t* x, int64_t n, opmath_t<scalar_t>* f) {
+  using opmath = opmath_t<scalar_t>;
+  using V = Vectorized<opmath>;
+  constexpr int64_t kV = V::size();
+  V sum_a(0), sum_b(0);  // two chains of FMAs
+  auto put = [&](const V& a, const V& b, int64_t j) {
+    a.store(f + j);
+    b.store(f + j + kV);
+    if constexpr (kSumSquares) {
+      sum_a = at::vec::fmadd(a, a, sum_a);
+      sum_b = at::vec::fmadd(b, b, sum_b);
+    }
+  };
+  int64_t j = 0;
+  for (; j + 2 * kV <= n; j += 2 * kV) {
+    const auto [a, b] = load2(x + j);
+    put(a, b, j);
+  }
+  if (j < n) {
+    const auto [a, b] = load2(x + j, n - j);
+    put(a, b, j);
+  }
+  if constexpr (kSumSquares) {
+    return at::vec::vec_reduce_all<opmath>([](V& u, V& v) { return u + v; }, sum_a + sum_b);
+  }
+  return opmath(0);
+}
+
 // n elements of x (feature stride xs) into f as opmath.
 template <typename scalar_t>
 void load_row(const scalar_t* x, int64_t xs, int64_t n, opmath_t<scalar_t>* f) {
-  constexpr int64_t kV = Vectorized<opmath_t<scalar_t>>::size();
   if (xs != 1) {
     for (int64_t j = 0; j < n; ++j) {
       f[j] = static_cast<opmath_t<scalar_t>>(x[j * xs]);
     }
     return;
   }
-  int64_t j = 0;
-  for (; j + 2 * kV <= n; j += 2 * kV) {
-    const auto [a, b] = load2(x + j);
-    a.store(f + j);
-    b.store(f + j + kV);
-  }
-  if (j < n) {  // zero-filled past n
-    const auto [a, b] = load2(x + j, n - j);
-    a.store(f + j);
-    b.store(f + j + kV);
-  }
+  load_contiguous_row<false>(x, n, f);
 }
 
 // f[0, n) to out (feature stride os), rounding once.
@@ -160,28 +183,7 @@ void for_each_row(const RotaryParams& p, RotationCache<opmath, table_t>& cache, 
 template <typename scalar_t>
 opmath_t<scalar_t> load_row_scale(const scalar_t* x, opmath_t<scalar_t>* f, int64_t n,
                                   opmath_t<scalar_t> eps) {
-  using opmath = opmath_t<scalar_t>;
-  using V = Vectorized<opmath>;
-  constexpr int64_t kV = V::size();
-  V sum_a(0), sum_b(0);  // two chains of FMAs
-  int64_t j = 0;
-  for (; j + 2 * kV <= n; j += 2 * kV) {
-    const auto [a, b] = load2(x + j);
-    a.store(f + j);
-    b.store(f + j + kV);
-    sum_a = at::vec::fmadd(a, a, sum_a);
-    sum_b = at::vec::fmadd(b, b, sum_b);
-  }
-  if (j < n) {  // zero-filled past n
-    const auto [a, b] = load2(x + j, n - j);
-    a.store(f + j);
-    b.store(f + j + kV);
-    sum_a = at::vec::fmadd(a, a, sum_a);
-    sum_b = at::vec::fmadd(b, b, sum_b);
-  }
-  const opmath sum = at::vec::vec_reduce_all<opmath>([](V& u, V& v) { return u + v; },
-                                                    sum_a + sum_b);
-  return rms_scale(sum, n, eps);
+  return rms_scale(load_contiguous_row<true>(x, n, f), n, eps);
 }
 
 // The second pass.
@@ -416,8 +418,8 @@ void norm_rotate_rows(const NormRotaryParams& np,
   const RotaryParams& p = np.rotary;
   RotationCache<opmath, table_t> cache(p, 2 * Vectorized<opmath>::size());
   const int64_t width = std::max(p.operands[0].head_dim, p.operands[p.num_operands - 1].head_dim);
-  PaddedRow<opmath> rows_buffer(kNormGroup * PaddedRow<opmath>(width).size());
-  const int64_t row_stride = PaddedRow<opmath>(width).size();
+  const int64_t row_stride = PaddedRow<opmath>::padded_size(width);
+  PaddedRow<opmath> rows_buffer(kNormGroup * row_stride);
   std::vector<scalar_t> gathered;  // rows with strided features, made contiguous
   const opmath eps = static_cast<opmath>(np.eps);
   // Each operand's weights in the fast path's step order, where it applies.
