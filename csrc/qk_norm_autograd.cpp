@@ -11,6 +11,7 @@
 #include <optional>
 #include <vector>
 
+#include "autograd_common.h"
 #include "qk_norm_ops.h"
 
 namespace rope_ext {
@@ -19,7 +20,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using Mrope = at::OptionalIntArrayRef;
+using autograd::ApplySig;
+using autograd::find_op;
+using autograd::Mrope;
+using autograd::optional_tensor;
+using autograd::TableGradSig;
 using NormSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, double,
@@ -32,63 +37,29 @@ using NormBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
     c10::SymInt, int64_t, bool, double, double, Mrope, bool);
-using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::SymInt, int64_t, bool, bool, Mrope, bool);
-using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
-                                bool, Mrope, bool);
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
 // The non-tensor arguments of a fused call, kept in the autograd context.
-struct NormArgs {
-  c10::SymInt offset;
-  int64_t seq_dim;
-  bool interleaved;
+struct NormArgs : autograd::PlacementArgs {
   double eps;
   double weight_offset;
-  std::optional<std::vector<int64_t>> mrope_section;
-  bool mrope_interleaved;
 
-  Mrope section() const {
-    return mrope_section.has_value() ? Mrope(*mrope_section) : Mrope();
-  }
+  NormArgs(PlacementArgs placement, double eps, double weight_offset)
+      : PlacementArgs(std::move(placement)), eps(eps), weight_offset(weight_offset) {}
+
   void save(AutogradContext* ctx) const {
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["seq_dim"] = seq_dim;
-    ctx->saved_data["interleaved"] = interleaved;
+    PlacementArgs::save(ctx);
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["weight_offset"] = weight_offset;
-    ctx->saved_data["mrope_section"] =
-        mrope_section.has_value() ? c10::IValue(*mrope_section) : c10::IValue();
-    ctx->saved_data["mrope_interleaved"] = mrope_interleaved;
   }
   static NormArgs load(AutogradContext* ctx) {
-    const c10::IValue& section = ctx->saved_data["mrope_section"];
-    return {ctx->saved_data["offset"].toSymInt(),
-            ctx->saved_data["seq_dim"].toInt(),
-            ctx->saved_data["interleaved"].toBool(),
-            ctx->saved_data["eps"].toDouble(),
-            ctx->saved_data["weight_offset"].toDouble(),
-            section.isNone() ? std::nullopt
-                             : std::optional<std::vector<int64_t>>(section.toIntVector()),
-            ctx->saved_data["mrope_interleaved"].toBool()};
+    return {PlacementArgs::load(ctx), ctx->saved_data["eps"].toDouble(),
+            ctx->saved_data["weight_offset"].toDouble()};
   }
 };
 
 NormArgs make_args(c10::SymInt offset, int64_t seq_dim, bool interleaved, double eps,
                    double weight_offset, Mrope section, bool mrope_interleaved) {
-  return {std::move(offset), seq_dim, interleaved, eps, weight_offset,
-          section.has_value() ? std::optional<std::vector<int64_t>>(section->vec())
-                              : std::nullopt,
-          mrope_interleaved};
-}
-
-std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  return {{std::move(offset), seq_dim, interleaved, section, mrope_interleaved}, eps,
+          weight_offset};
 }
 
 class NormRotaryQk : public torch::autograd::Function<NormRotaryQk> {

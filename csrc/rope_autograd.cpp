@@ -15,15 +15,19 @@
 #include <optional>
 #include <vector>
 
+#include "autograd_common.h"
+
 namespace rope_ext {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using Mrope = at::OptionalIntArrayRef;  // mrope_section
-using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::SymInt, int64_t, bool, bool, Mrope, bool);
+using autograd::ApplySig;
+using autograd::find_op;
+using autograd::Mrope;
+using autograd::optional_tensor;
+using autograd::TableGradSig;
 using ApplyInplaceSig = void(const at::Tensor&, const at::Tensor&,
                              const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, bool,
                              Mrope, bool);
@@ -35,58 +39,23 @@ using ApplyQkSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
 using ApplyQkInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
                                bool, Mrope, bool);
-using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
-                                bool, Mrope, bool);
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // The non-tensor arguments every rotary op shares, kept in the autograd context.
-struct RotaryArgs {
-  c10::SymInt offset;
-  int64_t seq_dim;
-  bool interleaved;
+struct RotaryArgs : autograd::PlacementArgs {
   bool inverse;
-  std::optional<std::vector<int64_t>> mrope_section;
-  bool mrope_interleaved;
 
   RotaryArgs(c10::SymInt offset, int64_t seq_dim, bool interleaved, bool inverse,
              Mrope section, bool mrope_interleaved)
-      : offset(std::move(offset)),
-        seq_dim(seq_dim),
-        interleaved(interleaved),
-        inverse(inverse),
-        mrope_section(section.has_value() ? std::optional<std::vector<int64_t>>(section->vec())
-                                          : std::nullopt),
-        mrope_interleaved(mrope_interleaved) {}
+      : PlacementArgs(std::move(offset), seq_dim, interleaved, section, mrope_interleaved),
+        inverse(inverse) {}
+  RotaryArgs(PlacementArgs placement, bool inverse)
+      : PlacementArgs(std::move(placement)), inverse(inverse) {}
 
-  Mrope section() const {
-    return mrope_section.has_value() ? Mrope(*mrope_section) : Mrope();
-  }
   void save(AutogradContext* ctx) const {
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["seq_dim"] = seq_dim;
-    ctx->saved_data["interleaved"] = interleaved;
+    PlacementArgs::save(ctx);
     ctx->saved_data["inverse"] = inverse;
-    ctx->saved_data["mrope_section"] =
-        mrope_section.has_value() ? c10::IValue(*mrope_section) : c10::IValue();
-    ctx->saved_data["mrope_interleaved"] = mrope_interleaved;
   }
   static RotaryArgs load(AutogradContext* ctx) {
-    const c10::IValue& section = ctx->saved_data["mrope_section"];
-    const std::vector<int64_t> sections = section.isNone() ? std::vector<int64_t>()
-                                                           : section.toIntVector();
-    return {ctx->saved_data["offset"].toSymInt(), ctx->saved_data["seq_dim"].toInt(),
-            ctx->saved_data["interleaved"].toBool(), ctx->saved_data["inverse"].toBool(),
-            section.isNone() ? Mrope() : Mrope(sections),
-            ctx->saved_data["mrope_interleaved"].toBool()};
+    return {PlacementArgs::load(ctx), ctx->saved_data["inverse"].toBool()};
   }
 };
 

@@ -1,0 +1,73 @@
+// What the autograd Functions of the rotary ops (rope_autograd.cpp) and of the fused
+// RMSNorm + RoPE ops (qk_norm_autograd.cpp) share: typed handles of the ops they call, and the
+// placement arguments (which angle each row turns by) kept in the autograd context.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace rope_ext::autograd {
+
+using torch::autograd::AutogradContext;
+using Mrope = at::OptionalIntArrayRef;  // mrope_section
+
+using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::SymInt, int64_t, bool, bool, Mrope, bool);
+using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
+                                bool, Mrope, bool);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+inline std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// offset, seq_dim, interleaved, mrope_section and mrope_interleaved: the arguments every
+// rotary op takes, saved in and loaded from an autograd context.
+struct PlacementArgs {
+  c10::SymInt offset;
+  int64_t seq_dim;
+  bool interleaved;
+  std::optional<std::vector<int64_t>> mrope_section;
+  bool mrope_interleaved;
+
+  PlacementArgs(c10::SymInt offset, int64_t seq_dim, bool interleaved, Mrope section,
+                bool mrope_interleaved)
+      : offset(std::move(offset)),
+        seq_dim(seq_dim),
+        interleaved(interleaved),
+        mrope_section(section.has_value() ? std::optional<std::vector<int64_t>>(section->vec())
+                                          : std::nullopt),
+        mrope_interleaved(mrope_interleaved) {}
+
+  Mrope section() const {
+    return mrope_section.has_value() ? Mrope(*mrope_section) : Mrope();
+  }
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["seq_dim"] = seq_dim;
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["mrope_section"] =
+        mrope_section.has_value() ? c10::IValue(*mrope_section) : c10::IValue();
+    ctx->saved_data["mrope_interleaved"] = mrope_interleaved;
+  }
+  static PlacementArgs load(AutogradContext* ctx) {
+    const c10::IValue& section = ctx->saved_data["mrope_section"];
+    const std::vector<int64_t> sections = section.isNone() ? std::vector<int64_t>()
+                                                           : section.toIntVector();
+    return {ctx->saved_data["offset"].toSymInt(), ctx->saved_data["seq_dim"].toInt(),
+            ctx->saved_data["interleaved"].toBool(),
+            section.isNone() ? Mrope() : Mrope(sections),
+            ctx->saved_data["mrope_interleaved"].toBool()};
+  }
+};
+
+}  // namespace rope_ext::autograd
