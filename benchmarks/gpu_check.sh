@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for a fresh GPU host: build rope_ext for this GPU, run the CUDA tests, the GPU
-# benchmark and (when present) compute-sanitizer memcheck over a small test. Results go to
-# $OUT (default ./gpu_results): build.log, tests.log, bench.md/.csv/.json/.png, memcheck.log.
-# Sized to finish within 8 minutes on one H200.
+# benchmarks (rotary and fused RMSNorm + RoPE) and (when present) compute-sanitizer memcheck
+# over a small test. Results go to $OUT (default ./gpu_results): build.log, tests.log,
+# bench*.md/.csv/.json/.png, emulation_gdb.log, memcheck.log.
+# Sized to finish within 9 minutes on one H200.
 #
 #   bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -34,10 +35,18 @@ PY
 )
 [ -n "$missing" ] && python -m pip install -q $missing > /dev/null 2>&1
 if python -c "import pytest, hypothesis, mpmath" 2>/dev/null; then
-  timeout 300 python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_build.py \
-    tests/test_apply.py tests/test_precompute.py tests/test_autograd.py tests/test_compile.py \
-    tests/test_properties.py -k "cuda or test_build" 2>&1 | tail -30 | tee "$OUT/tests.log"
+  # No -x: one failure must not hide the rest of a scarce GPU session's results.
+  timeout 300 python -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    tests/test_build.py tests/test_apply.py tests/test_precompute.py tests/test_autograd.py \
+    tests/test_compile.py tests/test_properties.py tests/test_qk_norm.py -k "cuda or test_build" \
+    2>&1 | tail -40 | tee "$OUT/tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The host emulation once crashed on a device image (g++ 13): where, if it does again.
+  if command -v gdb > /dev/null; then
+    timeout 120 gdb -q -batch -ex run -ex bt --args python -m pytest -q -x -p no:cacheprovider \
+      tests/test_cuda.py -k emulation > "$OUT/emulation_gdb.log" 2>&1
+    grep -E "passed|failed|SIGSEGV|^#[0-9]" "$OUT/emulation_gdb.log" | head -30 | tee -a "$OUT/summary.txt"
+  fi
 else
   echo "pytest/hypothesis/mpmath unavailable here: CUDA tests not run" | tee "$OUT/tests.log"
   status=1
@@ -48,6 +57,9 @@ timeout 240 python benchmarks/bench_rope.py --device cuda --suite core --dtypes 
   --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.log"
 timeout 120 python benchmarks/bench_rope.py --device cuda --suite prefill --dtypes bfloat16 \
   --no-compile --out "$OUT/bench_prefill" > /dev/null 2>&1
+say "GPU benchmark: fused RMSNorm + RoPE (vLLM's fused_qk_norm_rope where importable)"
+timeout 150 python benchmarks/bench_rope.py --device cuda --suite qk_norm --dtypes bfloat16 \
+  --no-compile --out "$OUT/bench_qk_norm" 2>&1 | tail -45 | tee "$OUT/bench_qk_norm.log"
 
 if command -v compute-sanitizer > /dev/null || [ -x "$CUDA_HOME/bin/compute-sanitizer" ]; then
   say "compute-sanitizer memcheck"
