@@ -505,6 +505,28 @@ inline int64_t largest_offset(const RotaryParams& p) {
   return largest;
 }
 
+// Splits an operand's leading dims into its head dim (the innermost whose rows share a
+// position; absent: one head) and its token dims: fills pl's dims, tokens and heads.
+inline void split_heads(const RotaryOperand& op, OperandPlan& pl) {
+  int64_t head = -1;
+  for (int64_t d = op.ndim - 1; d >= 0 && head < 0; --d) {
+    if (op.pos_strides[d] == 0) head = d;
+  }
+  pl.heads = head >= 0 ? op.sizes[head] : 1;
+  pl.head_x_stride = head >= 0 ? op.x_strides[head] : 0;
+  pl.head_out_stride = head >= 0 ? op.out_strides[head] : 0;
+  pl.ndim = 0;
+  for (int64_t d = 0; d < op.ndim; ++d) {
+    if (d == head) continue;
+    pl.sizes[pl.ndim] = op.sizes[d];
+    pl.x_strides[pl.ndim] = op.x_strides[d];
+    pl.out_strides[pl.ndim] = op.out_strides[d];
+    pl.pos_strides[pl.ndim] = op.pos_strides[d];
+    ++pl.ndim;
+  }
+  pl.tokens = pl.heads > 0 ? op.rows / pl.heads : 0;
+}
+
 // The plan of a rotary launch on a GPU with sm_count SMs, each holding blocks_per_sm blocks of
 // the kernel at once (the occupancy API's answer).
 inline LaunchPlan plan_rotary(const RotaryParams& p, size_t elem, size_t table_elem,
@@ -534,23 +556,7 @@ inline LaunchPlan plan_rotary(const RotaryParams& p, size_t elem, size_t table_e
   for (int o = 0; o < p.num_operands; ++o) {
     const RotaryOperand& op = p.operands[o];
     OperandPlan& pl = kp.op[o];
-    int64_t head = -1;  // innermost leading dim whose rows share a position
-    for (int64_t d = op.ndim - 1; d >= 0 && head < 0; --d) {
-      if (op.pos_strides[d] == 0) head = d;
-    }
-    pl.heads = head >= 0 ? op.sizes[head] : 1;
-    pl.head_x_stride = head >= 0 ? op.x_strides[head] : 0;
-    pl.head_out_stride = head >= 0 ? op.out_strides[head] : 0;
-    pl.ndim = 0;
-    for (int64_t d = 0; d < op.ndim; ++d) {
-      if (d == head) continue;
-      pl.sizes[pl.ndim] = op.sizes[d];
-      pl.x_strides[pl.ndim] = op.x_strides[d];
-      pl.out_strides[pl.ndim] = op.out_strides[d];
-      pl.pos_strides[pl.ndim] = op.pos_strides[d];
-      ++pl.ndim;
-    }
-    pl.tokens = op.rows / pl.heads;
+    split_heads(op, pl);
     pl.rotary_lanes = static_cast<int32_t>((p.rot_pairs + pairs_per_lane - 1) / pairs_per_lane);
     const int64_t pass = op.out != op.x ? op.head_dim - 2 * p.rot_pairs : 0;
     pl.lanes = pl.rotary_lanes + static_cast<int32_t>((pass + pass_span - 1) / pass_span);
