@@ -3,11 +3,16 @@
 // rope_cuda_kernel.h is: rope_cuda.cu wraps NormRowThread in __global__ kernels, and
 // rope_cuda_emulate.cpp runs it on the host over every block, warp and lane of the same plan.
 //
-// Design:
+// Design (memory-bound; the bar is the rotary kernels, which move a copy's bytes):
 // - A row (one head of one token, D features) belongs to a group of G threads (G a power of
 //   two <= 32, so a group never straddles a warp), in one pass over its memory: each thread
 //   loads its part, keeps it in registers (vector path), sums its squares; the group adds the
 //   partial sums with an xor butterfly; then each thread scales, rotates and stores its part.
+// - A group takes an "item" per iteration: norm_rows() heads of one token (split_heads(), as
+//   the rotary kernels split rows), so that a thread keeps 64 bytes of loads in flight as the
+//   rotary kernels do, and the heads share the token's position and (cos, sin). An item's
+//   offsets cost one division, plus one per inner token dim (32-bit where the values fit);
+//   its rows are a head stride apart, with no division per row.
 // - A row's work is split in two stages, load() and finish(), around the butterfly: on the
 //   device the kernel calls them with __shfl_xor_sync between them; the host emulation runs
 //   load() for all 32 lanes of a warp, adds the sums in the same butterfly order
@@ -16,12 +21,15 @@
 //   and the pass-through width whole 16-byte chunks): a thread owns up to norm_max_slots()
 //   "lanes" of a row: a rotary lane is chunk c of the first half and chunk c of the second
 //   (half-split pairs, so a pair never crosses threads) or one chunk of interleaved pairs; a
-//   pass-through lane one chunk of [R, D), normalised but not rotated. 16-byte loads and stores.
+//   pass-through lane one chunk of [R, D), normalised but not rotated. Rows, the lane's
+//   weights and its (cos, sin) move as 16-byte vectors (make_norm_vector_inputs() hands the
+//   kernel a table and weights laid out for that), so the only narrower loads are the
+//   position's and, with MRoPE (its own kernels), each pair's (cos, sin) from its axis' row.
 // - Scalar path (strided or misaligned features, odd widths, rows of many lanes): a thread
 //   takes pairs lane, lane + G, ... and pass-through features R + lane, R + lane + G, ...,
 //   element by element, and reads them again in finish() (nothing held in registers).
-// - Every thread of a warp takes part in every butterfly: the row loop's trip count is the
-//   warp's (iterations()), and a group past the last row adds zeros and stores nothing.
+// - Every thread of a warp takes part in every butterfly: the item loop's trip count is the
+//   warp's (iterations()), and a group past the last item adds zeros and stores nothing.
 // - Backward: load() reads the forward input x and the gradient gy, rotates gy back (gn),
 //   and sums x^2 and g * x (g = gn * w'); finish() writes dx and adds gn * x * r into the
 //   thread's own row of a partial weight-gradient buffer [groups, D] (opmath), which the
@@ -38,9 +46,18 @@ constexpr int kNormMaxGroup = 32;  // a warp
 
 // Vector lanes a thread holds of a row: 2, so that a warp covers rows of 64 lanes (256
 // features of 32-bit x, interleaved); 1 for 16-bit x, whose 32 lanes already cover 256
-// features (and whose backward would spill with 2).
+// features.
 ROPE_HD constexpr int norm_max_slots(size_t elem) {
   return elem == 2 ? 1 : 2;
+}
+// Rows (heads of one token) a group takes per iteration: on the vector path as many as make
+// 64 bytes of loads per thread (4 chunks of x, and of the gradient in backward, as the rotary
+// kernels keep in flight), at least one; one on the scalar path (it reads its rows again in
+// finish()) and with MRoPE (a table row per pair: the registers are short).
+ROPE_HD constexpr int norm_rows(size_t elem, bool interleaved, bool vector, bool backward,
+                                bool mrope) {
+  const int chunks = (interleaved ? 1 : 2) * norm_max_slots(elem) * (backward ? 2 : 1);
+  return vector && !mrope && chunks < 4 ? 4 / chunks : 1;
 }
 constexpr int kNormScalarSpan = 8; // features per thread the scalar path aims for
 // Blocks per SM the norm kernels are built for (launch bounds): at most 128 registers.
@@ -49,12 +66,14 @@ constexpr int kNormMinBlocks = 2;
 // The kernel's one argument.
 struct NormKernelParams {
   NormRotaryParams n;
-  int64_t rows[2];        // rows of operand o
-  int64_t total_rows;     // rows[0] + rows[1]
+  OperandPlan op[2];      // operand o's token dims and heads (split_heads(); the rest unused)
+  int64_t head_blocks[2]; // groups of norm_rows() heads of one token: operand o's items are
+  int64_t items[2];       //   (token, head block), tokens * head_blocks of them
+  int64_t total_items;    // items[0] + items[1]
   int32_t rotary_lanes[2];  // vector path: lanes of operand o's rotary features
   int32_t lanes[2];         // and with its pass-through chunks
   int32_t group;          // G: threads per row
-  int64_t groups;         // groups in the grid: a thread's rows stride by this
+  int64_t groups;         // groups in the grid: a thread's items stride by this
   bool table_double;      // the table's element type: double, else float
   void* partial[2];       // backward: [groups, head_dim of operand o] opmath, zeroed
 };
@@ -72,16 +91,42 @@ ROPE_HD T butterfly_add(T own, T partner) {
   return own + partner;
 }
 
+// a / b and a % b (a >= 0, b > 0), in 32-bit arithmetic when both fit: a 64-bit division is
+// a long subroutine on the GPU.
+ROPE_HD void divide(int64_t a, int64_t b, int64_t& quotient, int64_t& remainder) {
+  if (((a | b) >> 31) == 0) {
+    const uint32_t q = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+    quotient = q;
+    remainder = a - static_cast<int64_t>(q) * b;
+  } else {
+    quotient = a / b;
+    remainder = a - quotient * b;
+  }
+}
+
 // The rows, groups and lanes of one thread; see the design above.
-template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+// kMrope: the vector path's MRoPE variant (each pair's (cos, sin) from the table row of its
+// axis); the scalar path reads the table pair by pair anyway and serves MRoPE at runtime.
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward, bool kMrope>
 class NormRowThread {
+  static_assert(kVector || !kMrope, "the scalar path serves MRoPE at runtime");
+
  public:
   using opmath = opmath_t<scalar_t>;
   using Io = Packed<scalar_t>;
   static constexpr int kSums = kBackward ? 2 : 1;  // sum(x^2), and sum(g * x) in backward
+  static constexpr int kRows = norm_rows(sizeof(scalar_t), kInterleaved, kVector, kBackward,
+                                         kMrope);
+  static constexpr int kSumCount = kRows * kSums;  // row j's sums: [j * kSums, (j + 1) * kSums)
   static constexpr int V = Io::kCount;             // elements of a chunk
   static constexpr int kChunks = kInterleaved ? 1 : 2;  // chunks of a rotary lane
   static constexpr int kSlots = norm_max_slots(sizeof(scalar_t));
+  static constexpr int kPairs = kInterleaved ? V / 2 : V;  // pairs of a rotary lane
+  // A rotary lane's (cos, sin) as 16-byte vectors of opmath (the launcher hands the vector
+  // path an opmath table of (cos, sin) pairs, see make_norm_vector_inputs()).
+  static constexpr int kTableVecs = kPairs * 2 * sizeof(opmath) / kChunkBytes;
+  // A chunk's weights as 16-byte vectors: float32 weights of 16-bit x take two.
+  static constexpr int kWeightVecs = sizeof(scalar_t) == 2 ? 2 : 1;
 
   ROPE_HD NormRowThread(const NormKernelParams& kp, int64_t block, int32_t thread) {
     const int64_t global = block * kThreads + thread;
@@ -89,69 +134,86 @@ class NormRowThread {
     group_ = global / kp.group;
     // The warp's first group: every lane of the warp loops as often as it does.
     warp_first_group_ = (block * kThreads + (thread & ~(kNormMaxGroup - 1))) / kp.group;
+    if constexpr (kMrope) {
+      // The axes of the pairs of the thread's lanes, which are the same for all its rows.
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        pair_axes_[s] = 0;
+        const int64_t pair0 = static_cast<int64_t>(lane_ + s * kp.group) * kPairs;
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          pair_axes_[s] |= static_cast<uint32_t>(pair_axis(kp.n.rotary, pair0 + i)) << (2 * i);
+        }
+      }
+    }
   }
 
-  // Rows this thread's warp loops over (the same for each of its lanes).
+  // Items this thread's warp loops over (the same for each of its lanes).
   ROPE_HD int64_t iterations(const NormKernelParams& kp) const {
-    return warp_first_group_ < kp.total_rows
-               ? (kp.total_rows - warp_first_group_ + kp.groups - 1) / kp.groups
+    return warp_first_group_ < kp.total_items
+               ? (kp.total_items - warp_first_group_ + kp.groups - 1) / kp.groups
                : 0;
   }
 
-  // Stage 1 of row iteration `it`: loads this thread's part of its row, returns its partial
-  // sums (zeros for a group past the last row).
+  // Stage 1 of iteration `it`: loads this thread's part of its item's rows, returns their
+  // partial sums (zeros for rows past the last).
   template <typename Mem>
-  ROPE_HD void load(const NormKernelParams& kp, int64_t it, Mem& mem, opmath (&sums)[kSums]) {
-    for (int k = 0; k < kSums; ++k) sums[k] = opmath(0);
-    const int64_t row = group_ + it * kp.groups;
-    active_ = row < kp.total_rows;
-    if (!active_) return;
-    o_ = row >= kp.rows[0] ? 1 : 0;
-    const RotaryParams& p = kp.n.rotary;
-    const RotaryOperand& op = p.operands[o_];
-    const RowOffsets off = row_offsets(op, row - (o_ ? kp.rows[0] : 0));
-    x_off_ = off.x;
-    out_off_ = off.out;
-    pos_off_ = off.pos;
-    if (p.mrope_axes == 0) {
-      position_ = p.offset + (p.positions == nullptr ? off.pos : load_position(p, off.pos, mem));
-      mem.check_position(position_ >= 0 && position_ < p.table_rows);
-    }
-    const scalar_t* x = row_x(kp);
+  ROPE_HD void load(const NormKernelParams& kp, int64_t it, Mem& mem,
+                    opmath (&sums)[kSumCount]) {
+    for (int k = 0; k < kSumCount; ++k) sums[k] = opmath(0);
+    if (!start_item(kp, group_ + it * kp.groups, mem)) return;
+    const OperandPlan& pl = kp.op[o_];
     if constexpr (kVector) {
+      const scalar_t* x = row_x(kp);
 #pragma unroll
-      for (int s = 0; s < kSlots; ++s) {
-        const int32_t lane = lane_ + s * kp.group;
-        if (lane >= kp.lanes[o_]) continue;
-        const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
+      for (int j = 0; j < kRows; ++j) {
+        if (j >= rows_) continue;
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          if (c >= chunks) continue;
-          const int64_t f = chunk_feature(kp, lane, c);
-          x_[s][c] = mem.load128(x + f);
-          if constexpr (kBackward) gy_[s][c] = mem.load128(row_gy(kp) + f);
-        }
-        if constexpr (kBackward) {
-          for_lane(kp, lane, s, mem, [&](int c, int e, int64_t, opmath xv, opmath gn, opmath w) {
-            (void)c, (void)e;
-            sums[0] = fmadd(xv, xv, sums[0]);
-            sums[1] = fmadd(gn * w, xv, sums[1]);
-          });
-        } else {
+        for (int s = 0; s < kSlots; ++s) {
+          const int32_t lane = lane_ + s * kp.group;
+          if (lane >= kp.lanes[o_]) continue;
+          const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) {
             if (c >= chunks) continue;
+            const int64_t f = j * pl.head_x_stride + chunk_feature(kp, lane, c);
+            x_[j][s][c] = mem.load128(x + f);
+            if constexpr (kBackward) gy_[j][s][c] = mem.load128(row_gy(kp) + f);
+          }
+        }
+      }
+      load_rotations(kp, mem);
+      load_weights(kp, mem);
 #pragma unroll
-            for (int e = 0; e < V; ++e) {
-              const opmath xv = Io::get(x_[s][c], e);
-              sums[0] = fmadd(xv, xv, sums[0]);
+      for (int j = 0; j < kRows; ++j) {
+        if (j >= rows_) continue;
+        opmath* row_sums = sums + j * kSums;
+#pragma unroll
+        for (int s = 0; s < kSlots; ++s) {
+          const int32_t lane = lane_ + s * kp.group;
+          if (lane >= kp.lanes[o_]) continue;
+          if constexpr (kBackward) {
+            for_lane(kp, j, s, lane, mem, [&](int, int, opmath xv, opmath gn, opmath w) {
+              row_sums[0] = fmadd(xv, xv, row_sums[0]);
+              row_sums[1] = fmadd(gn * w, xv, row_sums[1]);
+            });
+          } else {
+            const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c) {
+              if (c >= chunks) continue;
+#pragma unroll
+              for (int e = 0; e < V; ++e) {
+                const opmath xv = Io::get(x_[j][s][c], e);
+                row_sums[0] = fmadd(xv, xv, row_sums[0]);
+              }
             }
           }
         }
       }
     } else {
-      const RotaryOperand& o = op;
-      const int64_t xs = o.x_feature_stride;
+      const scalar_t* x = row_x(kp);
+      const int64_t xs = kp.n.rotary.operands[o_].x_feature_stride;
       scalar_for_each(kp, mem, [&](int64_t f0, int64_t f1, int64_t pair) {
         const opmath x0 = static_cast<opmath>(mem.load(x + f0 * xs));
         const opmath x1 = pair >= 0 ? static_cast<opmath>(mem.load(x + f1 * xs)) : opmath(0);
@@ -173,57 +235,80 @@ class NormRowThread {
     }
   }
 
-  // Stage 2: with the row's sums (the group's totals), scales, rotates and stores this
+  // Stage 2: with the rows' sums (the group's totals), scales, rotates and stores this
   // thread's part (backward: writes dx and adds to the weight-gradient partials).
   template <typename Mem>
-  ROPE_HD void finish(const NormKernelParams& kp, const opmath (&totals)[kSums], Mem& mem) {
-    if (!active_) return;
+  ROPE_HD void finish(const NormKernelParams& kp, const opmath (&totals)[kSumCount], Mem& mem) {
+    if (rows_ == 0) return;
     const RotaryOperand& op = kp.n.rotary.operands[o_];
     const int64_t n = op.head_dim;
-    const opmath r = rms_scale(totals[0], n, static_cast<opmath>(kp.n.eps));
-    opmath coefficient = opmath(0);
-    if constexpr (kBackward) coefficient = rms_grad_coefficient(r, totals[1], n);
     auto* out = static_cast<scalar_t*>(op.out) + out_off_;
     opmath* partial = kBackward ? static_cast<opmath*>(kp.partial[o_]) + group_ * n : nullptr;
     if constexpr (kVector) {
+      const int64_t out_step = kp.op[o_].head_out_stride;
+      opmath r[kRows], coefficient[kRows];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        r[j] = rms_scale(totals[j * kSums], n, static_cast<opmath>(kp.n.eps));
+        coefficient[j] = opmath(0);
+        if constexpr (kBackward) {
+          coefficient[j] = rms_grad_coefficient(r[j], totals[j * kSums + 1], n);
+        }
+      }
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
         const int32_t lane = lane_ + s * kp.group;
         if (lane >= kp.lanes[o_]) continue;
-        Bits128 y[kChunks];
-        opmath dw[kChunks][V];
-        for_lane(kp, lane, s, mem, [&](int c, int e, int64_t, opmath xv, opmath v, opmath w) {
-          if constexpr (kBackward) {  // v: gn
-            Io::set(y[c], e, fmsub(v * w, r, xv * coefficient));
-            dw[c][e] = v * xv;
-          } else {  // v: the rotated, scaled x
-            Io::set(y[c], e, v);
-            (void)xv, (void)w;
-          }
-        }, r);
         const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
+        // Backward: the thread's partial-row vectors for the lane's chunks, to which each
+        // row adds gn * x * r, row by row.
+        constexpr int kPer = kChunkBytes / sizeof(opmath);
+        Bits128 acc[kBackward ? kChunks : 1][V / kPer];
+        if constexpr (kBackward) {
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          if (c >= chunks) continue;
-          const int64_t f = chunk_feature(kp, lane, c);
-          mem.store128(out + f, y[c]);
-          if constexpr (kBackward) {
-            // V opmath values of the thread's partial row: whole 16-byte vectors.
-            constexpr int kPer = kChunkBytes / sizeof(opmath);
+          for (int c = 0; c < kChunks; ++c) {
+            if (c >= chunks) continue;
 #pragma unroll
             for (int q = 0; q < V / kPer; ++q) {
-              Bits128 acc = mem.load128(partial + f + q * kPer);
+              acc[c][q] = mem.load128(partial + chunk_feature(kp, lane, c) + q * kPer);
+            }
+          }
+        }
 #pragma unroll
-              for (int e = 0; e < kPer; ++e) {
-                Packed<opmath>::set(acc, e, fmadd(dw[c][q * kPer + e], r,
-                                                  Packed<opmath>::get(acc, e)));
-              }
-              mem.store128(partial + f + q * kPer, acc);
+        for (int j = 0; j < kRows; ++j) {
+          if (j >= rows_) continue;
+          Bits128 y[kChunks];
+          for_lane(kp, j, s, lane, mem, [&](int c, int e, opmath xv, opmath v, opmath w) {
+            if constexpr (kBackward) {  // v: gn
+              Io::set(y[c], e, fmsub(v * w, r[j], xv * coefficient[j]));
+              Bits128& a = acc[c][e / kPer];
+              Packed<opmath>::set(a, e % kPer, fmadd(v * xv, r[j], Packed<opmath>::get(a, e % kPer)));
+            } else {  // v: the rotated, scaled x
+              Io::set(y[c], e, v);
+              (void)xv, (void)w;
+            }
+          }, r[j]);
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) {
+            if (c >= chunks) continue;
+            mem.store128(out + j * out_step + chunk_feature(kp, lane, c), y[c]);
+          }
+        }
+        if constexpr (kBackward) {
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c) {
+            if (c >= chunks) continue;
+#pragma unroll
+            for (int q = 0; q < V / kPer; ++q) {
+              mem.store128(partial + chunk_feature(kp, lane, c) + q * kPer, acc[c][q]);
             }
           }
         }
       }
     } else {
+      const opmath r = rms_scale(totals[0], n, static_cast<opmath>(kp.n.eps));
+      opmath coefficient = opmath(0);
+      if constexpr (kBackward) coefficient = rms_grad_coefficient(r, totals[1], n);
       const scalar_t* x = row_x(kp);
       const int64_t xs = op.x_feature_stride, os = op.out_feature_stride;
       scalar_for_each(kp, mem, [&](int64_t f0, int64_t f1, int64_t pair) {
@@ -263,6 +348,46 @@ class NormRowThread {
   }
 
  private:
+  // Takes item `item`: its operand, its first row's offsets, its rows and its position (not
+  // MRoPE). Returns whether it has rows. One division for the item and one per inner token
+  // dim, none per row: the rows are heads of one token, a head stride apart.
+  template <typename Mem>
+  ROPE_HD bool start_item(const NormKernelParams& kp, int64_t item, Mem& mem) {
+    rows_ = 0;
+    if (item >= kp.total_items) return false;
+    o_ = item >= kp.items[0] ? 1 : 0;
+    const OperandPlan& pl = kp.op[o_];
+    int64_t token, head_block;
+    divide(item - (o_ ? kp.items[0] : 0), kp.head_blocks[o_], token, head_block);
+    // The token's offsets from its index over the token dims; the outermost takes what is
+    // left, without a division.
+    int64_t rest = token, x_off = 0, out_off = 0, pos_off = 0;
+#pragma unroll 1
+    for (int d = pl.ndim - 1; d > 0; --d) {
+      int64_t i;
+      divide(rest, pl.sizes[d], rest, i);
+      x_off += i * pl.x_strides[d];
+      out_off += i * pl.out_strides[d];
+      pos_off += i * pl.pos_strides[d];
+    }
+    if (pl.ndim > 0) {
+      x_off += rest * pl.x_strides[0];
+      out_off += rest * pl.out_strides[0];
+      pos_off += rest * pl.pos_strides[0];
+    }
+    const int64_t head = head_block * kRows;
+    rows_ = static_cast<int32_t>(smaller<int64_t>(kRows, pl.heads - head));
+    x_off_ = x_off + head * pl.head_x_stride;
+    out_off_ = out_off + head * pl.head_out_stride;
+    pos_off_ = pos_off;
+    const RotaryParams& p = kp.n.rotary;
+    if (!kMrope && p.mrope_axes == 0) {
+      position_ = p.offset + (p.positions == nullptr ? pos_off : load_position(p, pos_off, mem));
+      mem.check_position(position_ >= 0 && position_ < p.table_rows);
+    }
+    return true;
+  }
+
   ROPE_HD const scalar_t* row_x(const NormKernelParams& kp) const {
     // Backward reads the forward's input as x (the operand's x is the gradient).
     const void* base = kBackward ? kp.n.input[o_] : kp.n.rotary.operands[o_].x;
@@ -281,8 +406,99 @@ class NormRowThread {
     return 2 * pairs + static_cast<int64_t>(lane - kp.rotary_lanes[o_]) * V;
   }
 
-  // (cos, sin) of pair `pair` of the row, negated sine for the inverse rotation; as the
-  // rotary kernels read them (MRoPE: the position of the pair's axis).
+  // Vector path: the (cos, sin) of each slot's rotary lane for the item's position, as
+  // 16-byte vectors (make_norm_vector_inputs() laid the table out so). MRoPE: the table rows
+  // of the item's axis positions; lane_rotation() reads each pair's (cos, sin) from the row of
+  // its axis when it needs them (held in registers, a lane's 2 * kPairs values each from its
+  // own address spill the backward kernels).
+  template <typename Mem>
+  ROPE_HD void load_rotations(const NormKernelParams& kp, Mem& mem) {
+    const RotaryParams& p = kp.n.rotary;
+    const auto* table = static_cast<const opmath*>(p.table);
+    if constexpr (kMrope) {
+#pragma unroll
+      for (int a = 0; a < kMaxMropeAxes; ++a) {
+        axis_rows_[a] = table;
+        if (a < p.mrope_axes) {
+          const int64_t row =
+              p.offset + load_position(p, pos_off_ + a * p.mrope_axis_stride, mem);
+          mem.check_position(row >= 0 && row < p.table_rows);
+          axis_rows_[a] = table + row * p.table_row_stride;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        const int32_t lane = lane_ + s * kp.group;
+        if (lane >= kp.rotary_lanes[o_]) continue;
+        const opmath* entry =
+            table + position_ * p.table_row_stride + 2 * static_cast<int64_t>(lane) * kPairs;
+#pragma unroll
+        for (int v = 0; v < kTableVecs; ++v) {
+          cs_[s][v] = mem.load128(entry + v * (kChunkBytes / sizeof(opmath)));
+        }
+      }
+    }
+  }
+
+  // Vector path: the weights of each slot's lane as 16-byte vectors.
+  template <typename Mem>
+  ROPE_HD void load_weights(const NormKernelParams& kp, Mem& mem) {
+    const bool wide = sizeof(scalar_t) == 2 && kp.n.weight_float[o_];
+#pragma unroll
+    for (int s = 0; s < kSlots; ++s) {
+      const int32_t lane = lane_ + s * kp.group;
+      if (lane >= kp.lanes[o_]) continue;
+      const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (c >= chunks) continue;
+        const int64_t f = chunk_feature(kp, lane, c);
+        if (wide) {
+          const float* w = static_cast<const float*>(kp.n.weight[o_]) + f;
+#pragma unroll
+          for (int v = 0; v < kWeightVecs; ++v) {
+            w_[s][c][v] = mem.load128(w + v * (kChunkBytes / sizeof(float)));
+          }
+        } else {
+          w_[s][c][0] = mem.load128(static_cast<const scalar_t*>(kp.n.weight[o_]) + f);
+        }
+      }
+    }
+  }
+
+  // Vector path: the (cos, sin) of pair i of slot s's lane `lane` (negated sine for the
+  // inverse rotation), and the scale weight + weight_offset of element e of its chunk c.
+  template <typename Mem>
+  ROPE_HD void lane_rotation(const NormKernelParams& kp, int s, int32_t lane, int i, Mem& mem,
+                             opmath& c, opmath& sn) const {
+    if constexpr (kMrope) {
+      const int64_t pair = static_cast<int64_t>(lane) * kPairs + i;
+      const int axis = (pair_axes_[s] >> (2 * i)) & 3;
+      // Constant indices only, so axis_rows_ stays in registers.
+      const opmath* entry = (axis == 0 ? axis_rows_[0] : axis == 1 ? axis_rows_[1]
+                             : axis == 2 ? axis_rows_[2] : axis_rows_[3]) + 2 * pair;
+      c = mem.load(entry);
+      sn = mem.load(entry + 1);
+    } else {
+      constexpr int kPer = kChunkBytes / sizeof(opmath);
+      c = Packed<opmath>::get(cs_[s][2 * i / kPer], 2 * i % kPer);
+      sn = Packed<opmath>::get(cs_[s][2 * i / kPer], 2 * i % kPer + 1);
+    }
+    if (kp.n.rotary.inverse) sn = -sn;
+  }
+  ROPE_HD opmath lane_weight(const NormKernelParams& kp, int s, int c, int e) const {
+    opmath w;
+    if (sizeof(scalar_t) == 2 && kp.n.weight_float[o_]) {
+      w = Packed<float>::get(w_[s][c][e / 4], e % 4);
+    } else {
+      w = Io::get(w_[s][c][0], e);
+    }
+    return w + static_cast<opmath>(kp.n.weight_offset);
+  }
+
+  // Scalar path: (cos, sin) of pair `pair` of the row, negated sine for the inverse
+  // rotation; as the rotary kernels read them (MRoPE: the position of the pair's axis).
   template <typename Mem>
   ROPE_HD void rotation(const NormKernelParams& kp, int64_t pair, Mem& mem, opmath& c,
                         opmath& s) const {
@@ -306,7 +522,7 @@ class NormRowThread {
     if (p.inverse) s = -s;
   }
 
-  // The scale weight + weight_offset of feature f.
+  // Scalar path: the scale weight + weight_offset of feature f.
   template <typename Mem>
   ROPE_HD opmath weight(const NormKernelParams& kp, int64_t f, Mem& mem) const {
     const int64_t at = f * kp.n.weight_stride[o_];
@@ -316,51 +532,44 @@ class NormRowThread {
     return w + static_cast<opmath>(kp.n.weight_offset);
   }
 
-  // Calls fn(chunk, element, feature, x, v, w') for each element of vector lane `lane` (slot
-  // s) held in x_ (and gy_): v is gn (backward) or the scaled and rotated x (forward, with
-  // r given); w' the scale weight.
+  // Vector path: calls fn(chunk, element, x, v, w') for each element of vector lane `lane`
+  // (slot s) of row j, held in x_ (and gy_): v is gn (backward) or the scaled and rotated x
+  // (forward, with r given); w' the scale weight. Rotary lanes go pair by pair.
   template <typename Mem, typename Fn>
-  ROPE_HD void for_lane(const NormKernelParams& kp, int32_t lane, int s, Mem& mem, Fn&& fn,
-                        opmath r = opmath(1)) const {
-    const bool rotary = lane < kp.rotary_lanes[o_];
-    if (!rotary) {
-      const int64_t f = chunk_feature(kp, lane, 0);
+  ROPE_HD void for_lane(const NormKernelParams& kp, int j, int s, int32_t lane, Mem& mem,
+                        Fn&& fn, opmath r = opmath(1)) const {
+    if (lane >= kp.rotary_lanes[o_]) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const opmath xv = Io::get(x_[s][0], e);
-        const opmath w = weight(kp, f + e, mem);
+        const opmath xv = Io::get(x_[j][s][0], e);
+        const opmath w = lane_weight(kp, s, 0, e);
         opmath v;
         if constexpr (kBackward) {
-          v = Io::get(gy_[s][0], e);
+          v = Io::get(gy_[j][s][0], e);
         } else {
           v = xv * r * w;
         }
-        fn(0, e, f + e, xv, v, w);
+        fn(0, e, xv, v, w);
       }
       return;
     }
-    constexpr int kPairs = kInterleaved ? V / 2 : V;
-    const int64_t pair0 = static_cast<int64_t>(lane) * kPairs;
-    const int64_t half = kp.n.rotary.rot_pairs;
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
       // Interleaved: elements (2i, 2i + 1) of the chunk; else element i of each half.
       const int c1 = kInterleaved ? 0 : 1;
       const int e0 = kInterleaved ? 2 * i : i, e1 = kInterleaved ? 2 * i + 1 : i;
-      const int64_t f0 = kInterleaved ? 2 * (pair0 + i) : pair0 + i;
-      const int64_t f1 = kInterleaved ? f0 + 1 : f0 + half;
       opmath c, sn;
-      rotation(kp, pair0 + i, mem, c, sn);
-      const opmath x0 = Io::get(x_[s][0], e0), x1 = Io::get(x_[s][c1], e1);
-      const opmath w0 = weight(kp, f0, mem), w1 = weight(kp, f1, mem);
+      lane_rotation(kp, s, lane, i, mem, c, sn);
+      const opmath x0 = Io::get(x_[j][s][0], e0), x1 = Io::get(x_[j][s][c1], e1);
+      const opmath w0 = lane_weight(kp, s, 0, e0), w1 = lane_weight(kp, s, c1, e1);
       opmath v0, v1;
       if constexpr (kBackward) {
-        rotate_pair(Io::get(gy_[s][0], e0), Io::get(gy_[s][c1], e1), c, sn, v0, v1);
+        rotate_pair(Io::get(gy_[j][s][0], e0), Io::get(gy_[j][s][c1], e1), c, sn, v0, v1);
       } else {
         rotate_pair(x0 * r * w0, x1 * r * w1, c, sn, v0, v1);
       }
-      fn(0, e0, f0, x0, v0, w0);
-      fn(c1, e1, f1, x1, v1, w1);
+      fn(0, e0, x0, v0, w0);
+      fn(c1, e1, x1, v1, w1);
     }
   }
 
@@ -383,12 +592,17 @@ class NormRowThread {
   int32_t lane_ = 0;           // place in the group
   int64_t group_ = 0;          // the group's index in the grid (its partial row)
   int64_t warp_first_group_ = 0;
-  bool active_ = false;        // the current row exists
+  int32_t rows_ = 0;           // rows of the current item (0: none)
   int o_ = 0;                  // its operand
-  int64_t x_off_ = 0, out_off_ = 0, pos_off_ = 0;
+  int64_t x_off_ = 0, out_off_ = 0, pos_off_ = 0;  // of its first row
   int64_t position_ = 0;       // its position (not MRoPE)
-  Bits128 x_[kVector ? kSlots : 1][kChunks];   // vector path: the row's chunks
-  Bits128 gy_[kVector && kBackward ? kSlots : 1][kChunks];
+  // Vector path: the rows' chunks, and the lanes' (cos, sin) and weights.
+  Bits128 x_[kVector ? kRows : 1][kVector ? kSlots : 1][kChunks];
+  Bits128 gy_[kVector && kBackward ? kRows : 1][kVector ? kSlots : 1][kChunks];
+  Bits128 cs_[kVector && !kMrope ? kSlots : 1][kVector && !kMrope ? kTableVecs : 1];
+  const opmath* axis_rows_[kMrope ? kMaxMropeAxes : 1];  // MRoPE: the axes' table rows
+  uint32_t pair_axes_[kMrope ? kSlots : 1];  // MRoPE: pair i of slot s's lane: bits 2i, 2i + 1
+  Bits128 w_[kVector ? kSlots : 1][kChunks][kWeightVecs];
 };
 
 // ---- Host side: the launch plan, shared by the CUDA launcher and the emulation ----
@@ -424,7 +638,7 @@ inline bool norm_vector_path(const NormRotaryParams& n, size_t elem) {
 
 // The plan of a norm launch on a GPU with sm_count SMs, each holding blocks_per_sm blocks.
 inline NormLaunchPlan plan_norm(const NormRotaryParams& n, size_t elem, bool table_double,
-                                int64_t sm_count, int64_t blocks_per_sm) {
+                                bool backward, int64_t sm_count, int64_t blocks_per_sm) {
   NormLaunchPlan plan{};
   NormKernelParams& k = plan.k;
   const RotaryParams& p = n.rotary;
@@ -432,12 +646,17 @@ inline NormLaunchPlan plan_norm(const NormRotaryParams& n, size_t elem, bool tab
   k.table_double = table_double;
   plan.vector = norm_vector_path(n, elem);
   const int64_t v = kChunkBytes / static_cast<int64_t>(elem);
+  const int64_t rows_per_item =
+      norm_rows(elem, p.interleaved, plan.vector, backward, p.mrope_axes > 0);
   int64_t widest = 1;  // lanes (vector) or features (scalar) of the widest operand
-  k.total_rows = 0;
+  k.total_items = 0;
   for (int o = 0; o < p.num_operands; ++o) {
     const RotaryOperand& op = p.operands[o];
-    k.rows[o] = op.rows;
-    k.total_rows += op.rows;
+    OperandPlan& pl = k.op[o];
+    split_heads(op, pl);
+    k.head_blocks[o] = (pl.heads + rows_per_item - 1) / rows_per_item;
+    k.items[o] = pl.tokens * k.head_blocks[o];
+    k.total_items += k.items[o];
     if (plan.vector) {
       k.rotary_lanes[o] = static_cast<int32_t>((p.interleaved ? 2 * p.rot_pairs : p.rot_pairs) / v);
       k.lanes[o] = k.rotary_lanes[o] + static_cast<int32_t>((op.head_dim - 2 * p.rot_pairs) / v);
@@ -449,7 +668,7 @@ inline NormLaunchPlan plan_norm(const NormRotaryParams& n, size_t elem, bool tab
   // Vector: a lane per thread where a warp holds them (else norm_max_slots()); scalar: about
   // kNormScalarSpan features per thread.
   k.group = std::min<int32_t>(kNormMaxGroup, next_power_of_two(widest));
-  const int64_t blocks = (k.total_rows * k.group + kThreads - 1) / kThreads;
+  const int64_t blocks = (k.total_items * k.group + kThreads - 1) / kThreads;
   plan.grid = std::max<int64_t>(1, std::min(blocks, sm_count * blocks_per_sm));
   k.groups = plan.grid * kThreads / k.group;
   return plan;

@@ -63,21 +63,21 @@ __global__ void __launch_bounds__(kThreads, cuda_kernel::min_blocks_per_sm(kVect
 
 // Fused RMSNorm + RoPE: each row's two stages around the group's butterfly (a shuffle every
 // lane of the warp takes part in: NormRowThread::iterations() is the warp's).
-template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward, bool kMrope>
 __global__ void __launch_bounds__(kThreads, cuda_kernel::kNormMinBlocks)
     norm_rotary_kernel(const __grid_constant__ cuda_kernel::NormKernelParams kp) {
-  using Thread = cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward>;
+  using Thread = cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward, kMrope>;
   DeviceMem mem;
   Thread t(kp, blockIdx.x, threadIdx.x);
   const int64_t iterations = t.iterations(kp);
 #pragma unroll 1
   for (int64_t it = 0; it < iterations; ++it) {
-    typename Thread::opmath sums[Thread::kSums];
+    typename Thread::opmath sums[Thread::kSumCount];
     t.load(kp, it, mem, sums);
 #pragma unroll 1
     for (int offset = kp.group / 2; offset > 0; offset /= 2) {
 #pragma unroll
-      for (int s = 0; s < Thread::kSums; ++s) {
+      for (int s = 0; s < Thread::kSumCount; ++s) {
         sums[s] = cuda_kernel::butterfly_add(sums[s], __shfl_xor_sync(0xffffffffu, sums[s], offset));
       }
     }
@@ -147,9 +147,10 @@ struct LaunchRotary {
   }
 };
 
-template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward, bool kMrope>
 struct LaunchNorm {
-  static constexpr auto kernel = &norm_rotary_kernel<scalar_t, kInterleaved, kVector, kBackward>;
+  static constexpr auto kernel =
+      &norm_rotary_kernel<scalar_t, kInterleaved, kVector, kBackward, kMrope>;
 
   static int blocks_per_sm(int device) {
     static PerDevice blocks;
@@ -159,11 +160,17 @@ struct LaunchNorm {
     });
   }
 
-  static void run(const NormRotaryParams& p, const bool& table_double, const c10::Device& device) {
+  static void run(const NormRotaryParams& p, const at::ScalarType& table_dtype,
+                  const c10::Device& device) {
     const int index = device.index();
-    cuda_kernel::NormLaunchPlan plan = cuda_kernel::plan_norm(
-        p, sizeof(scalar_t), table_double, sm_count(index), blocks_per_sm(index));
-    at::Tensor partials[2];
+    cuda_kernel::NormLaunchPlan plan =
+        cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble, kBackward,
+                               sm_count(index), blocks_per_sm(index));
+    at::Tensor partials[2], vector_inputs[3];
+    if (kVector) {
+      cuda_kernel::make_norm_vector_inputs(plan, c10::CppTypeToScalarType<scalar_t>::value,
+                                           table_dtype, device, vector_inputs);
+    }
     if (kBackward) {
       cuda_kernel::make_norm_partials(plan, c10::CppTypeToScalarType<scalar_t>::value, device,
                                       partials);
@@ -179,8 +186,7 @@ struct LaunchNorm {
 void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                  at::ScalarType table_dtype, c10::Device device) {
   const c10::cuda::CUDAGuard guard(device);
-  const bool table_double = table_dtype == at::kDouble;
-  cuda_kernel::dispatch_norm<LaunchNorm>(p, backward, x_dtype, table_double, device);
+  cuda_kernel::dispatch_norm<LaunchNorm>(p, backward, x_dtype, table_dtype, device);
 }
 
 void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,

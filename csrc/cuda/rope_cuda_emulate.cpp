@@ -302,26 +302,31 @@ void map_norm_memory(CheckedMem& mem, const cuda_kernel::NormKernelParams& k, si
   }
 }
 
-template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward>
+template <typename scalar_t, bool kInterleaved, bool kVector, bool kBackward, bool kMrope>
 struct EmulateNorm {
   // Each warp as the GPU runs it: load() on its 32 lanes, the butterfly over each group's
   // lanes in the kernel's order, then finish().
   static void run(const NormRotaryParams& p, at::ScalarType table_dtype) {
-    using Thread = cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward>;
+    using Thread =
+        cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward, kMrope>;
     using opmath = typename Thread::opmath;
     constexpr int kWarp = cuda_kernel::kNormMaxGroup;
     cuda_kernel::NormLaunchPlan plan =
-        cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble,
+        cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble, kBackward,
                                g_sm_count.load(), g_blocks_per_sm.load());
     TORCH_INTERNAL_ASSERT(plan.vector == kVector);
-    at::Tensor partials[2];
+    at::Tensor partials[2], vector_inputs[3];
+    if (kVector) {
+      cuda_kernel::make_norm_vector_inputs(plan, c10::CppTypeToScalarType<scalar_t>::value,
+                                           table_dtype, c10::Device(c10::kCPU), vector_inputs);
+    }
     if (kBackward) {
       cuda_kernel::make_norm_partials(plan, c10::CppTypeToScalarType<scalar_t>::value,
                                       c10::Device(c10::kCPU), partials);
     }
     const cuda_kernel::NormKernelParams& k = plan.k;
     CheckedMem mem;
-    map_norm_memory(mem, k, sizeof(scalar_t), c10::elementSize(table_dtype));
+    map_norm_memory(mem, k, sizeof(scalar_t), k.table_double ? sizeof(double) : sizeof(float));
     for (int64_t block = 0; block < plan.grid; ++block) {
       for (int32_t warp = 0; warp < kThreads; warp += kWarp) {
         std::vector<Thread> lanes;
@@ -333,16 +338,16 @@ struct EmulateNorm {
           TORCH_INTERNAL_ASSERT(lanes[l].iterations(k) == iterations);
         }
         for (int64_t it = 0; it < iterations; ++it) {
-          opmath sums[kWarp][Thread::kSums];
+          opmath sums[kWarp][Thread::kSumCount];
           for (int32_t l = 0; l < kWarp; ++l) {
             mem.at(block, warp + l);
             lanes[l].load(k, it, mem, sums[l]);
           }
           for (int32_t offset = k.group / 2; offset > 0; offset /= 2) {
-            opmath before[kWarp][Thread::kSums];
+            opmath before[kWarp][Thread::kSumCount];
             memcpy(before, sums, sizeof(sums));
             for (int32_t l = 0; l < kWarp; ++l) {
-              for (int s = 0; s < Thread::kSums; ++s) {
+              for (int s = 0; s < Thread::kSumCount; ++s) {
                 sums[l][s] = cuda_kernel::butterfly_add(before[l][s], before[l ^ offset][s]);
               }
             }
@@ -361,9 +366,11 @@ struct EmulateNorm {
     std::ostringstream s;
     s << "norm vector=" << kVector << " interleaved=" << kInterleaved
       << " backward=" << kBackward << " mrope=" << (p.rotary.mrope_axes > 0)
-      << " grid=" << plan.grid << " group=" << k.group << " groups=" << k.groups;
+      << " grid=" << plan.grid << " group=" << k.group << " groups=" << k.groups
+      << " rows_per_item=" << Thread::kRows;
     for (int o = 0; o < p.rotary.num_operands; ++o) {
-      s << " op" << o << "=(rows=" << k.rows[o] << " lanes=" << k.lanes[o] << ")";
+      s << " op" << o << "=(rows=" << p.rotary.operands[o].rows << " items=" << k.items[o]
+        << " lanes=" << k.lanes[o] << ")";
     }
     s << " reads=" << mem.reads() << " writes=" << mem.writes();
     log_line(s.str());
