@@ -475,3 +475,39 @@ def test_norm_empty_operand():
     k = torch.randn(2, 5, 0, 64, generator=gen).bfloat16()
     launches = check_norm(q, k, rope_ext.precompute_freqs_cis(64, P), {}, False, gen)
     assert len(launches) == 3 and all(" op1=" not in line for line in launches), launches
+
+
+@pytest.mark.parametrize("table_kind", ["float64", "complex64", "rows_sliced", "pairs_strided",
+                                        "misaligned"])
+def test_norm_table_forms(table_kind):
+    """The vector kernels read an opmath table with 16-byte aligned rows; other tables reach
+    them as a converted copy with the same values (make_norm_vector_inputs)."""
+    gen = torch.Generator().manual_seed(16)
+    q, k, kwargs = make_case("bshd", torch.bfloat16, 64, gen)
+    full = rope_ext.precompute_freqs_cis(64, 2 * P)  # complex64 [2P, 32]
+    table = {
+        "float64": torch.view_as_real(full).double(),
+        "complex64": full,
+        "rows_sliced": torch.view_as_real(full)[P:],
+        "pairs_strided": torch.view_as_real(rope_ext.precompute_freqs_cis(128, P))[:, ::2],
+        "misaligned": torch.view_as_real(full).flatten()[2:2 + P * 64].view(P, 32, 2),
+    }[table_kind]
+    for interleaved in (True, False):
+        launches = check_norm(q, k, table, kwargs, interleaved, gen)
+        assert all(line.startswith("norm vector=1") for line in launches), launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_norm_heads_per_item(dtype):
+    """A group takes several heads of one token per iteration on the vector path (64 bytes of
+    loads per thread: x, and the gradient in backward), one on the scalar path; head counts
+    that are no multiple of it leave a short last item."""
+    gen = torch.Generator().manual_seed(17)
+    q, k, kwargs = make_case("many_heads", dtype, 128, gen)  # 70 and 6 heads
+    chunks = {2: 1, 4: 2, 8: 2}[q.element_size()]  # 16-byte chunks a thread holds of a lane
+    for interleaved in (True, False):
+        launches = check_norm(q, k, rope_ext.precompute_freqs_cis(128, P), kwargs, interleaved,
+                              gen)
+        for line in launches:
+            held = chunks * (1 if interleaved else 2) * (2 if "backward=1" in line else 1)
+            assert f" rows_per_item={max(1, 4 // held)} " in line, line
