@@ -11,7 +11,9 @@ fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this canno
   kernels for 2 (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
 - The fused RMSNorm + RoPE kernels (norm_rotary_kernel): no spills or local memory; on the
   vector path every global store is 16 bytes (rows, and the backward's weight-gradient
-  partials); at most 128 registers (kNormMinBlocks = 2 blocks of 256 threads per SM).
+  partials), and so is every load (rows, weights, (cos, sin), partials) but the position's
+  and, in the MRoPE kernels, each pair's (cos, sin) from its axis' table row; at most 128
+  registers (kNormMinBlocks = 2 blocks of 256 threads per SM).
 """
 
 import os
@@ -108,14 +110,30 @@ def test_register_budget(rotary_kernels):
 @pytest.fixture(scope="module")
 def norm_kernels():
     kernels = [k for k in _kernels() if k.name.startswith("void norm_rotary_kernel<")]
-    # 4 element types x 2 pairings x vector/scalar x forward/backward
-    assert len(kernels) == 32, [k.name for k in kernels]
+    # 4 element types x 2 pairings x forward/backward x (scalar, vector, vector MRoPE)
+    assert len(kernels) == 48, [k.name for k in kernels]
     return kernels
 
 
 def norm_template_args(kernel):
-    """norm_rotary_kernel<scalar_t, kInterleaved, kVector, kBackward> -> its arguments."""
+    """norm_rotary_kernel<scalar_t, kInterleaved, kVector, kBackward, kMrope> -> its
+    arguments."""
     return re.search(r"norm_rotary_kernel<(.*)>\(", kernel.name).group(1).split(", ")
+
+
+def norm_narrow_loads_allowed(kernel):
+    """Loads narrower than 16 bytes a vector-path norm kernel may make: the item's position
+    (one int32 or one int64 load). MRoPE kernels instead load a position per axis (up to 4,
+    int32 or int64) and each pair's cosine and sine from the table row of its axis, element by
+    element: 2 per pair of each of a thread's lanes (norm_max_slots(): 1 for 16-bit x, else
+    2), in finish() and, in backward, in load() too. The rows, the weights, the table of the
+    other kernels and the weight-gradient partials must all be 16-byte loads."""
+    scalar, interleaved, _, backward, mrope = norm_template_args(kernel)
+    pairs = 16 // SIZES[scalar] // (2 if interleaved == "true" else 1)
+    slots = 1 if SIZES[scalar] == 2 else 2
+    if mrope == "true":
+        return 2 * 4 + 2 * pairs * slots * (2 if backward == "true" else 1)
+    return 2
 
 
 def test_norm_no_spills_and_no_local_memory(norm_kernels):
@@ -124,12 +142,17 @@ def test_norm_no_spills_and_no_local_memory(norm_kernels):
     assert not bad, bad
 
 
-def test_norm_vector_path_stores_16_bytes(norm_kernels):
-    """Rows (and, in backward, the weight-gradient partials) stored as 16-byte vectors."""
-    for k in norm_kernels:
-        if norm_template_args(k)[2] == "true":
-            assert set(k.stores) == {128}, (k.name, k.stores)
-            assert k.loads.get(128, 0) > 0, (k.name, k.loads)
+def test_norm_vector_path_moves_16_bytes_per_access(norm_kernels):
+    """Rows (and, in backward, the weight-gradient partials) stored as 16-byte vectors; rows,
+    weights and (cos, sin) loaded as 16-byte vectors (at most the position's loads narrower;
+    MRoPE: see norm_narrow_loads_allowed)."""
+    vector = [k for k in norm_kernels if norm_template_args(k)[2] == "true"]
+    assert len(vector) == 32
+    for k in vector:
+        assert set(k.stores) == {128}, (k.name, k.stores)
+        narrow_loads = sum(n for width, n in k.loads.items() if width != 128)
+        assert narrow_loads <= norm_narrow_loads_allowed(k), (k.name, k.loads)
+        assert k.loads.get(128, 0) > 0, (k.name, k.loads)
 
 
 def test_norm_register_budget(norm_kernels):
