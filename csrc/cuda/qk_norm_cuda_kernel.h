@@ -183,7 +183,11 @@ class NormRowThread {
         }
       }
       load_rotations(kp, mem);
-      load_weights(kp, mem);
+      // The weights depend on the operand and the lane only: read once per operand.
+      if (o_ != weights_of_) {
+        load_weights(kp, mem);
+        weights_of_ = o_;
+      }
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {
         if (j >= rows_) continue;
@@ -594,6 +598,7 @@ class NormRowThread {
   int64_t warp_first_group_ = 0;
   int32_t rows_ = 0;           // rows of the current item (0: none)
   int o_ = 0;                  // its operand
+  int weights_of_ = -1;        // vector path: the operand whose weights w_ holds
   int64_t x_off_ = 0, out_off_ = 0, pos_off_ = 0;  // of its first row
   int64_t position_ = 0;       // its position (not MRoPE)
   // Vector path: the rows' chunks, and the lanes' (cos, sin) and weights.
