@@ -162,8 +162,8 @@ class NormRowThread {
                     opmath (&sums)[kSumCount]) {
     for (int k = 0; k < kSumCount; ++k) sums[k] = opmath(0);
     if (!start_item(kp, group_ + it * kp.groups, mem)) return;
-    const OperandPlan& pl = kp.op[o_];
     if constexpr (kVector) {
+      const OperandPlan& pl = kp.op[o_];
       const scalar_t* x = row_x(kp);
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {
