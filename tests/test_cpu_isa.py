@@ -56,6 +56,38 @@ for dtype in (torch.bfloat16, torch.float16):
         want = y.to(dtype)
         out = rope_ext.apply_rotary(x, table, interleaved=interleaved)
         torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
+# NaN payloads. The bfloat16 rounding of rows turned by a cached rotation (and of the fused
+# norm's rows) has no NaN check: the kernel makes every NaN of the table and of the norm's
+# weights the default NaN, whose low 16 bits are clear. NaNs whose payload lies in those bits
+# (as a float64 table's keep, converted) must still come out NaN, on every path: heads that
+# share a rotation, [B, H, S, D] rows that read the table in place, float64 tables.
+payloads = torch.tensor([0x7F800001, 0x7FFFFFFF, 0xFF80FFFF - 2**32, 0x7FA0F000],
+                        dtype=torch.int32).view(torch.float32)
+table32 = torch.view_as_real(rope_ext.precompute_freqs_cis(64, 16)).clone()
+table32[3, :4, 0] = payloads  # cos of pairs 0-3 at position 3
+table32[3, 4:8, 1] = payloads  # sin of pairs 4-7
+for table in (table32, table32.double()):
+    for interleaved in (True, False):
+        for x, seq_dim in ((torch.randn(2, 8, 3, 64), 1), (torch.randn(2, 3, 8, 64), 2)):
+            x = x.bfloat16()
+            kw = dict(interleaved=interleaved, seq_dim=seq_dim)
+            want = reference.apply_rotary(x.double(), table.double(), **kw)
+            assert want.isnan().any()  # position 3's rows
+            for out in (rope_ext.apply_rotary(x, table, **kw),
+                        rope_ext.apply_rotary(x.clone(), table, inplace=True, **kw)):
+                assert torch.equal(out.isnan(), want.isnan()), (table.dtype, interleaved, seq_dim)
+                torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2,
+                                           equal_nan=True)
+weight = torch.ones(64)
+weight[[1, 2, 40, 63]] = payloads
+q, k = torch.randn(1, 8, 4, 64).bfloat16(), torch.randn(1, 8, 2, 64).bfloat16()
+for interleaved in (True, False):
+    outs = rope_ext.rms_norm_rotary_qk(q, k, weight, weight, table32, interleaved=interleaved)
+    for x, out in zip((q, k), outs):
+        want = reference.rms_norm_rotary(x.double(), weight.double(), table32.double(),
+                                         interleaved=interleaved)
+        assert torch.equal(out.isnan(), want.isnan()), ("norm", interleaved)
+        torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2, equal_nan=True)
 print("ok")
 """
 

@@ -4,7 +4,9 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "../qk_norm.h"
@@ -128,7 +130,10 @@ PaddedRow<opmath_t<scalar_t>> scale_weights(const NormRotaryParams& p, int o) {
     const int64_t at = j * p.weight_stride[o];
     const opmath v = p.weight_float[o] ? static_cast<opmath>(static_cast<const float*>(p.weight[o])[at])
                                        : static_cast<opmath>(static_cast<const scalar_t*>(p.weight[o])[at]);
-    w.data()[j] = v + static_cast<opmath>(p.weight_offset);
+    const opmath scaled = v + static_cast<opmath>(p.weight_offset);
+    // NaN weights as the default NaN, like a Rotation's (clear_nan_payloads): store_step's
+    // bfloat16 rounding relies on NaNs with clear low bits.
+    w.data()[j] = std::isnan(scaled) ? std::numeric_limits<opmath>::quiet_NaN() : scaled;
   }
   return w;
 }
@@ -282,13 +287,15 @@ StepValues<scalar_t> weight_step(const opmath_t<scalar_t>* w, int64_t i, int64_t
   }
 }
 
+// The values come from bfloat16 rows, a Rotation and scale_weights' weights, whose NaNs all
+// have clear low bits (kNanLowBitsClear): the joins skip the NaN check.
 template <typename scalar_t, bool kInterleaved>
 void store_step(const StepValues<scalar_t>& y, scalar_t* out, int64_t i, int64_t pairs) {
   if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
-    join_bf16_lanes(y.x0a, y.x1a).store(out + 2 * i);
+    join_bf16_lanes<false>(y.x0a, y.x1a).store(out + 2 * i);
   } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
-    join_bf16_lanes(y.x0a, y.x0b).store(out + i);
-    join_bf16_lanes(y.x1a, y.x1b).store(out + pairs + i);
+    join_bf16_lanes<false>(y.x0a, y.x0b).store(out + i);
+    join_bf16_lanes<false>(y.x1a, y.x1b).store(out + pairs + i);
   } else if constexpr (kInterleaved) {
     const auto [lo, hi] = at::vec::interleave2(y.x0a, y.x1a);
     store2(out + 2 * i, lo, hi);

@@ -6,7 +6,9 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -112,6 +114,7 @@ inline VecI round_to_bf16_high(const VecF& f) {
 #if defined(__AVX512BF16__)
 // One rounding instruction for 32 values (round to nearest even; like every AVX512-BF16
 // conversion it flushes results below 2^-126 to zero), then one permute to pair them up.
+template <bool kCheckNan = true>  // unused: the instruction rounds NaNs right
 inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
   const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
@@ -141,8 +144,12 @@ inline VecI add_bf16_rounding(const VecF& f) {
   return bits + VecI(0x7fff) + lsb;
 }
 
+// kCheckNan false: the caller's values can only hold NaNs whose low 16 bits are clear
+// (kNanLowBitsClear), which the rounding increment below cannot carry out of, so the NaN
+// check and its branch go.
+template <bool kCheckNan = true>
 inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
-  if (any_nan(low, high)) {
+  if (kCheckNan && any_nan(low, high)) {
     return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
   }
   // Each 16-bit half of a lane taken from its own rounded value: a logical shift and a
@@ -158,6 +165,7 @@ inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
 #else
 // The DEFAULT build does not use the lane tricks (kBf16LaneTricks); declared for the
 // discarded branches that name it.
+template <bool kCheckNan = true>
 inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
   return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
 }
@@ -179,6 +187,29 @@ struct Rotation {
   template <typename table_t>
   void load(const table_t* entry, const RotaryParams& p) {
     load_pairs(entry, 0, p.rot_pairs, p);
+    clear_nan_payloads(p.rot_pairs);
+  }
+
+  // Every NaN among the first `pairs` cos and sin made the default quiet NaN, whose low 16
+  // bits are clear, so that the bfloat16 rounding of what it turns needs no NaN check
+  // (kNanLowBitsClear). The caller's table may hold any NaN (a float64 table's, converted,
+  // keeps payload bits there).
+  void clear_nan_payloads(int64_t pairs) {
+    if constexpr (std::is_same_v<opmath, float>) {
+      using V = Vectorized<float>;
+      constexpr int64_t kV = V::size();
+      const V quiet(std::numeric_limits<float>::quiet_NaN());
+      for (float* values : {cos, sin}) {
+        int64_t i = 0;
+        for (; i + kV <= pairs; i += kV) {
+          const V v = V::loadu(values + i);
+          V::blendv(v, quiet, v.isnan()).store(values + i);
+        }
+        for (; i < pairs; ++i) {
+          values[i] = std::isnan(values[i]) ? std::numeric_limits<float>::quiet_NaN() : values[i];
+        }
+      }
+    }
   }
 
   // Pairs [begin, end) from the table row at entry.
@@ -230,6 +261,7 @@ struct Rotation {
           sin[i] = sign * static_cast<opmath>(entry[i * p.table_pair_stride + p.table_cs_stride]);
         }
       }
+      clear_nan_payloads(p.rot_pairs);
       return;
     }
     int64_t begin = 0;
@@ -237,6 +269,7 @@ struct Rotation {
       load_pairs(table + rows[a] * step, begin, p.mrope_bounds[a], p);
       begin = p.mrope_bounds[a];
     }
+    clear_nan_payloads(p.rot_pairs);
   }
 };
 
@@ -248,6 +281,14 @@ struct TableRow {
   const opmath* entry;
   bool inverse;  // negate sin
 };
+
+// Whether the values a rotation by `Source` produces from bfloat16 rows can only hold NaNs
+// whose low 16 bits are clear: those of the rows are (a bfloat16 is a float's high half),
+// x86 arithmetic returns one of its NaN operands (quieted, payload kept) or the default NaN,
+// and a Rotation's NaNs are the default NaN (clear_nan_payloads). A TableRow is the caller's
+// table as it is.
+template <typename Source>
+constexpr bool kNanLowBitsClear = !std::is_same_v<Source, TableRow<float>>;
 
 // Pairs one full-vector step of a contiguous row covers: kV interleaved pairs (2kV
 // elements), or 2kV pairs from each half of a half-split row.
@@ -334,7 +375,7 @@ inline StepInput<scalar_t, kInterleaved> load_step(const scalar_t* x, int64_t i,
 }
 
 // Rotates the loaded step by r and stores it at pair i of out.
-template <typename scalar_t, bool kInterleaved>
+template <typename scalar_t, bool kInterleaved, bool kCheckNan = true>
 inline void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* out, int64_t i,
                         int64_t pairs, const StepRotation<scalar_t, kInterleaved>& r) {
   using V = Vectorized<opmath_t<scalar_t>>;
@@ -342,15 +383,15 @@ inline void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* o
     auto [x0, x1] = split_bf16_lanes(in.lanes0);
     V y0, y1;
     rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
-    join_bf16_lanes(y0, y1).store(out + 2 * i);
+    join_bf16_lanes<kCheckNan>(y0, y1).store(out + 2 * i);
   } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
     auto [a_even, a_odd] = split_bf16_lanes(in.lanes0);
     auto [b_even, b_odd] = split_bf16_lanes(in.lanes1);
     V y0_even, y1_even, y0_odd, y1_odd;
     rotate_pair(a_even, b_even, r.c0, r.s0, y0_even, y1_even);
     rotate_pair(a_odd, b_odd, r.c1, r.s1, y0_odd, y1_odd);
-    join_bf16_lanes(y0_even, y0_odd).store(out + i);
-    join_bf16_lanes(y1_even, y1_odd).store(out + pairs + i);
+    join_bf16_lanes<kCheckNan>(y0_even, y0_odd).store(out + i);
+    join_bf16_lanes<kCheckNan>(y1_even, y1_odd).store(out + pairs + i);
   } else if constexpr (kInterleaved) {
     auto [x0, x1] = at::vec::deinterleave2(in.a, in.b);
     V y0, y1;
@@ -367,11 +408,11 @@ inline void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* o
 }
 
 // One full-vector step of a contiguous row: the kStepPairs pairs from pair i on.
-template <typename scalar_t, bool kInterleaved>
+template <typename scalar_t, bool kInterleaved, bool kCheckNan = true>
 inline void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
                         const StepRotation<scalar_t, kInterleaved>& r) {
-  finish_step<scalar_t, kInterleaved>(load_step<scalar_t, kInterleaved>(x, i, pairs), out, i,
-                                      pairs, r);
+  finish_step<scalar_t, kInterleaved, kCheckNan>(load_step<scalar_t, kInterleaved>(x, i, pairs),
+                                                 out, i, pairs, r);
 }
 
 // The rotation of the last `rest` (< kStepPairs) pairs from pair i on, in natural order,
@@ -440,6 +481,7 @@ template <typename scalar_t, bool kInterleaved, typename Source>
 void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Source& r, int64_t pairs,
                            int64_t head_dim) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  constexpr bool kCheckNan = !kNanLowBitsClear<Source>;
   const int64_t rest = pairs % kStep;
   if (rest > 0 && pairs > kStep) {
     // The pairs left over take one more full step, overlapping the one before it: its
@@ -448,16 +490,16 @@ void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Source& r, in
     const int64_t last = pairs - kStep;
     const auto last_in = load_step<scalar_t, kInterleaved>(x, last, pairs);
     for (int64_t i = 0; i < last; i += kStep) {
-      rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
-                                          StepRotation<scalar_t, kInterleaved>(r, i));
+      rotate_step<scalar_t, kInterleaved, kCheckNan>(x, out, i, pairs,
+                                                     StepRotation<scalar_t, kInterleaved>(r, i));
     }
-    finish_step<scalar_t, kInterleaved>(last_in, out, last, pairs,
-                                        StepRotation<scalar_t, kInterleaved>(r, last));
+    finish_step<scalar_t, kInterleaved, kCheckNan>(
+        last_in, out, last, pairs, StepRotation<scalar_t, kInterleaved>(r, last));
   } else {
     int64_t i = 0;
     for (; i + kStep <= pairs; i += kStep) {
-      rotate_step<scalar_t, kInterleaved>(x, out, i, pairs,
-                                          StepRotation<scalar_t, kInterleaved>(r, i));
+      rotate_step<scalar_t, kInterleaved, kCheckNan>(x, out, i, pairs,
+                                                     StepRotation<scalar_t, kInterleaved>(r, i));
     }
     if (rest > 0) {  // fewer pairs than one step: a partial step on masked vectors
       rotate_tail<scalar_t, kInterleaved>(x, out, i, rest, pairs,
@@ -501,11 +543,11 @@ void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int6
     if constexpr (kTail == Tail::kOverlap) {
       last_in = load_step<scalar_t, kInterleaved>(x, last, pairs);
     }
-    for (int k = 0; k < kSteps; ++k) {
-      rotate_step<scalar_t, kInterleaved>(x, out, k * kStep, pairs, steps[k]);
+    for (int k = 0; k < kSteps; ++k) {  // r is a Rotation: its NaNs' low bits are clear
+      rotate_step<scalar_t, kInterleaved, false>(x, out, k * kStep, pairs, steps[k]);
     }
     if constexpr (kTail == Tail::kOverlap) {
-      finish_step<scalar_t, kInterleaved>(last_in, out, last, pairs, last_rotation);
+      finish_step<scalar_t, kInterleaved, false>(last_in, out, last, pairs, last_rotation);
     } else if constexpr (kTail == Tail::kMasked) {
       rotate_tail<scalar_t, kInterleaved>(x, out, kSteps * kStep, rest, pairs, tail);
     }
