@@ -168,19 +168,11 @@ class NormRowThread {
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {
         if (j >= rows_) continue;
-#pragma unroll
-        for (int s = 0; s < kSlots; ++s) {
-          const int32_t lane = lane_ + s * kp.group;
-          if (lane >= kp.lanes[o_]) continue;
-          const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            if (c >= chunks) continue;
-            const int64_t f = j * pl.head_x_stride + chunk_feature(kp, lane, c);
-            x_[j][s][c] = mem.load128(x + f);
-            if constexpr (kBackward) gy_[j][s][c] = mem.load128(row_gy(kp) + f);
-          }
-        }
+        for_each_chunk(kp, [&](int s, int32_t lane, int c) {
+          const int64_t f = j * pl.head_x_stride + chunk_feature(kp, lane, c);
+          x_[j][s][c] = mem.load128(x + f);
+          if constexpr (kBackward) gy_[j][s][c] = mem.load128(row_gy(kp) + f);
+        });
       }
       load_rotations(kp, mem);
       // The weights depend on the operand and the lane only: read once per operand.
@@ -449,6 +441,24 @@ class NormRowThread {
   template <typename Mem>
   ROPE_HD void load_weights(const NormKernelParams& kp, Mem& mem) {
     const bool wide = sizeof(scalar_t) == 2 && kp.n.weight_float[o_];
+    for_each_chunk(kp, [&](int s, int32_t lane, int c) {
+      const int64_t f = chunk_feature(kp, lane, c);
+      if (wide) {
+        const float* w = static_cast<const float*>(kp.n.weight[o_]) + f;
+#pragma unroll
+        for (int v = 0; v < kWeightVecs; ++v) {
+          w_[s][c][v] = mem.load128(w + v * (kChunkBytes / sizeof(float)));
+        }
+      } else {
+        w_[s][c][0] = mem.load128(static_cast<const scalar_t*>(kp.n.weight[o_]) + f);
+      }
+    });
+  }
+
+  // Vector path: calls fn(s, lane, c) for each 16-byte chunk c this thread holds of slot s's
+  // lane in its operand: every chunk of a rotated lane, the first of a pass-through one.
+  template <typename Fn>
+  ROPE_HD void for_each_chunk(const NormKernelParams& kp, Fn&& fn) const {
 #pragma unroll
     for (int s = 0; s < kSlots; ++s) {
       const int32_t lane = lane_ + s * kp.group;
@@ -457,16 +467,7 @@ class NormRowThread {
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         if (c >= chunks) continue;
-        const int64_t f = chunk_feature(kp, lane, c);
-        if (wide) {
-          const float* w = static_cast<const float*>(kp.n.weight[o_]) + f;
-#pragma unroll
-          for (int v = 0; v < kWeightVecs; ++v) {
-            w_[s][c][v] = mem.load128(w + v * (kChunkBytes / sizeof(float)));
-          }
-        } else {
-          w_[s][c][0] = mem.load128(static_cast<const scalar_t*>(kp.n.weight[o_]) + f);
-        }
+        fn(s, lane, c);
       }
     }
   }
