@@ -223,18 +223,25 @@ def call_mrope(op, q, k, table, kwargs, interleaved):
                                   **kwargs),)
 
 
+def table_form(kind):
+    """A rotary-64 table of P positions in one of the forms a caller may pass."""
+    full = rope_ext.precompute_freqs_cis(64, 2 * P)  # complex64 [2P, 32]
+    make = {
+        "float64": lambda: torch.view_as_real(full).double(),
+        "complex64": lambda: full,
+        "rows_sliced": lambda: torch.view_as_real(full)[P:],  # whole rows off
+        "pairs_strided": lambda: torch.view_as_real(rope_ext.precompute_freqs_cis(128, P))[:, ::2],
+        "misaligned": lambda: torch.view_as_real(full).flatten()[2:2 + P * 64].view(P, 32, 2),
+    }
+    return make[kind]()
+
+
 @pytest.mark.parametrize("table_kind", ["float64", "complex64", "rows_sliced", "pairs_strided"])
 def test_table_forms(table_kind):
     """Tables the vector kernels read as 16-byte vectors, and ones they must not."""
     gen = torch.Generator().manual_seed(2)
     q, k, kwargs = make_case("bshd", torch.bfloat16, 64, gen)
-    full = rope_ext.precompute_freqs_cis(64, 2 * P)  # complex64 [2P, 32]
-    table = {
-        "float64": torch.view_as_real(full).double(),
-        "complex64": full,
-        "rows_sliced": torch.view_as_real(full)[P:],  # whole rows off: still vector-readable
-        "pairs_strided": torch.view_as_real(rope_ext.precompute_freqs_cis(128, P))[:, ::2],
-    }[table_kind]
+    table = table_form(table_kind)
     for interleaved in (True, False):
         launches = check("qk", q, k, table, kwargs, interleaved)
         assert ("vector=0" if table_kind == "pairs_strided" else "vector=1") in launches[0]
@@ -484,14 +491,7 @@ def test_norm_table_forms(table_kind):
     them as a converted copy with the same values (make_norm_vector_inputs)."""
     gen = torch.Generator().manual_seed(16)
     q, k, kwargs = make_case("bshd", torch.bfloat16, 64, gen)
-    full = rope_ext.precompute_freqs_cis(64, 2 * P)  # complex64 [2P, 32]
-    table = {
-        "float64": torch.view_as_real(full).double(),
-        "complex64": full,
-        "rows_sliced": torch.view_as_real(full)[P:],
-        "pairs_strided": torch.view_as_real(rope_ext.precompute_freqs_cis(128, P))[:, ::2],
-        "misaligned": torch.view_as_real(full).flatten()[2:2 + P * 64].view(P, 32, 2),
-    }[table_kind]
+    table = table_form(table_kind)
     for interleaved in (True, False):
         launches = check_norm(q, k, table, kwargs, interleaved, gen)
         assert all(line.startswith("norm vector=1") for line in launches), launches
