@@ -260,15 +260,19 @@ class NormRowThread {
         // row adds gn * x * r, row by row.
         constexpr int kPer = kChunkBytes / sizeof(opmath);
         Bits128 acc[kBackward ? kChunks : 1][V / kPer];
-        if constexpr (kBackward) {
+        // fn(acc vector, its place in the partial row) for each of the lane's chunks.
+        auto each_partial = [&](auto&& fn) {
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) {
             if (c >= chunks) continue;
 #pragma unroll
             for (int q = 0; q < V / kPer; ++q) {
-              acc[c][q] = mem.load128(partial + chunk_feature(kp, lane, c) + q * kPer);
+              fn(acc[c][q], partial + chunk_feature(kp, lane, c) + q * kPer);
             }
           }
+        };
+        if constexpr (kBackward) {
+          each_partial([&](Bits128& a, opmath* at) { a = mem.load128(at); });
         }
 #pragma unroll
         for (int j = 0; j < kRows; ++j) {
@@ -291,14 +295,7 @@ class NormRowThread {
           }
         }
         if constexpr (kBackward) {
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            if (c >= chunks) continue;
-#pragma unroll
-            for (int q = 0; q < V / kPer; ++q) {
-              mem.store128(partial + chunk_feature(kp, lane, c) + q * kPer, acc[c][q]);
-            }
-          }
+          each_partial([&](Bits128& a, opmath* at) { mem.store128(at, a); });
         }
       }
     } else {
