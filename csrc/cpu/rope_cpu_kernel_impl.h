@@ -524,6 +524,7 @@ void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int6
                             int64_t os, const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
                             int64_t head_dim) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  constexpr bool kCheckNan = !kNanLowBitsClear<Rotation<opmath_t<scalar_t>>>;
   StepRotation<scalar_t, kInterleaved> steps[kSteps > 0 ? kSteps : 1];
   for (int k = 0; k < kSteps; ++k) {
     steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
@@ -543,11 +544,11 @@ void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int6
     if constexpr (kTail == Tail::kOverlap) {
       last_in = load_step<scalar_t, kInterleaved>(x, last, pairs);
     }
-    for (int k = 0; k < kSteps; ++k) {  // r is a Rotation: its NaNs' low bits are clear
-      rotate_step<scalar_t, kInterleaved, false>(x, out, k * kStep, pairs, steps[k]);
+    for (int k = 0; k < kSteps; ++k) {
+      rotate_step<scalar_t, kInterleaved, kCheckNan>(x, out, k * kStep, pairs, steps[k]);
     }
     if constexpr (kTail == Tail::kOverlap) {
-      finish_step<scalar_t, kInterleaved, false>(last_in, out, last, pairs, last_rotation);
+      finish_step<scalar_t, kInterleaved, kCheckNan>(last_in, out, last, pairs, last_rotation);
     } else if constexpr (kTail == Tail::kMasked) {
       rotate_tail<scalar_t, kInterleaved>(x, out, kSteps * kStep, rest, pairs, tail);
     }
