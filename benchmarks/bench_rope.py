@@ -131,8 +131,13 @@ def main() -> int:
     parser.add_argument("--min-run-time", type=float, default=0.5,
                         help="seconds of CPU timing per provider (default 0.5)")
     parser.add_argument("--out", type=Path, help="write OUT.csv, OUT.json, OUT.md and OUT.png")
+    parser.add_argument("--system-heap", action="store_true",
+                        help="leave malloc as it is: outputs may page-fault, depending on the "
+                             "allocator's state (default: a steady heap, see "
+                             "rope_ext.benchmark.steady_heap)")
     args = parser.parse_args()
 
+    heap = ("heap: system allocator as is" if args.system_heap else benchmark.steady_heap())
     torch.set_num_threads(args.threads)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
@@ -150,7 +155,7 @@ def main() -> int:
 
     header = [
         f"rope_ext benchmark: torch {torch.__version__}, {benchmark.cpu_description()}, "
-        f"{args.threads} CPU threads"
+        f"{args.threads} CPU threads, {heap}"
         + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else ""),
         "Command: python benchmarks/bench_rope.py " + " ".join(sys.argv[1:]),
         "Not measured (not importable here): " + ", ".join(

@@ -52,6 +52,33 @@ def cpu_description() -> str:
     return f"{model} ({isa}), CPU kernel {kernel}{forced}"
 
 
+def steady_heap() -> str:
+    """Keeps glibc's malloc from handing memory back to the kernel (no mmap'd blocks, no trim),
+    so that timed calls reuse pages that are already mapped; says what it did.
+
+    Otherwise whether an output allocation page-faults depends on the allocator's state, not
+    on the provider: a 32 MiB float32 tensor is always mmap'd afresh (8192 page faults, 20 ms
+    for a clone that copies in 3 ms), and a 16 MiB one is or is not, depending on whether the
+    heap top was trimmed, so the same provider timed 1.5 ms in one process and 12 ms in the
+    next. Every provider, the copy bounds included, runs under the same setting.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return "heap: system allocator as is (no glibc mallopt)"
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+    if mallopt(m_mmap_max, 0) != 1 or mallopt(m_trim_threshold, 2**31 - 1) != 1:
+        return "heap: system allocator as is (mallopt refused)"
+    return "heap: glibc malloc without mmap or trim (no page faults in timed calls)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """q [batch, seq, q_heads, head_dim] and k [batch, seq, k_heads, head_dim]."""
