@@ -111,9 +111,9 @@ def isa_flags_in_ninja_file(isa_sources: list[str]):
     used to take a ninja run of its own, one file at a time: a third of a build's time on
     two cores. Inside this context, torch's (private) ninja writer is wrapped so that the
     build statement of each such file gets its flags as a ninja build-scoped variable
-    (`post_cflags = $post_cflags -mavx2 ...`); the caller compiles everything in one call.
-    If the writer is not there, or a statement is not found in what it wrote, the build
-    stops with a clear error, and without the writer the caller falls back to one run per file.
+    (`post_cflags = $post_cflags -mavx2 ...`), and the caller compiles everything in one call.
+    Yields False when torch has no such writer: the caller then gives each file a run of its
+    own. A build statement missing from what the writer wrote stops the build, naming it.
     """
     writer = getattr(cpp_extension, "_write_ninja_file", None)
     if not isa_sources or writer is None:
@@ -154,11 +154,12 @@ class BuildExtension(cpp_extension.BuildExtension):
 
         def compile_grouped(srcs, *args, extra_postargs=None, **kwargs):
             isa = [s for s in srcs if s in ISA_FLAGS]
-            with isa_flags_in_ninja_file(isa) as patched:
-                if patched:  # one ninja run: every file shares the MAX_JOBS workers
-                    return compile_all(srcs, *args, extra_postargs=extra_postargs, **kwargs)
-            # torch's ninja writer is not the one isa_flags_in_ninja_file knows: one ninja run
-            # per instruction-set file, each on one worker.
+            if self.use_ninja:  # torch writes the call's ninja file: the flags can go into it
+                with isa_flags_in_ninja_file(isa) as patched:
+                    if patched:  # one ninja run: every file shares the MAX_JOBS workers
+                        return compile_all(srcs, *args, extra_postargs=extra_postargs, **kwargs)
+            # No ninja, or no ninja writer that isa_flags_in_ninja_file knows: one compile
+            # call per instruction-set file, with its flags.
             objects = []
             plain = [s for s in srcs if s not in ISA_FLAGS]
             if plain:
