@@ -132,34 +132,37 @@ inline bool any_nan(const VecF& low, const VecF& high) {
 #endif
 }
 
-// f's bits plus the round-to-nearest-even increment: the high 16 bits are the bfloat16
-// (for non-NaN f; the low 16 bits are left for the join to drop).
-inline VecI add_bf16_rounding(const VecF& f) {
-  const VecI bits = at::vec::cast<int32_t>(f);
-#if defined(CPU_CAPABILITY_AVX512)
-  const VecI lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), VecI(1));
-#else
-  const VecI lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), VecI(1));
-#endif
-  return bits + VecI(0x7fff) + lsb;
-}
-
 // kCheckNan false: the caller's values can only hold NaNs whose low 16 bits are clear
 // (kNanLowBitsClear), which the rounding increment below cannot carry out of, so the NaN
 // check and its branch go.
+//
+// The rounding works on 16-bit words: the two values' high halves H side by side (the
+// truncated bfloat16 pair) and their low halves L side by side. Round to nearest even adds
+// one to H when L + 0x7fff + (H & 1) carries out of 16 bits, which is when the rounded-up
+// average of L and 0x7ffe + (H & 1) has its top bit set: 9 instructions for 16 values where
+// rounding each float on its own (bits + 0x7fff + lsb, shifted and blended) takes 10. H + 1
+// cannot carry out of its word: H is at most 0xff7f for a non-NaN value (0xff80, -inf, once
+// rounded).
 template <bool kCheckNan = true>
 inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
   if (kCheckNan && any_nan(low, high)) {
     return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
   }
-  // Each 16-bit half of a lane taken from its own rounded value: a logical shift and a
-  // blend, no masking.
+  const VecI lo = at::vec::cast<int32_t>(low);
+  const VecI hi = at::vec::cast<int32_t>(high);
 #if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_mask_blend_epi16(0x55555555u, add_bf16_rounding(high),
-                                 _mm512_srli_epi32(add_bf16_rounding(low), 16));
+  const __m512i h = _mm512_mask_blend_epi16(0x55555555u, hi, _mm512_srli_epi32(lo, 16));
+  const __m512i l = _mm512_mask_blend_epi16(0x55555555u, _mm512_slli_epi32(hi, 16), lo);
+  // (H & 1) | 0x7ffe, as 0x7ffe's lowest bit is clear: one ternary-logic instruction.
+  const __m512i bias = _mm512_ternarylogic_epi32(h, _mm512_set1_epi16(1),
+                                                 _mm512_set1_epi16(0x7ffe), 0xea);
+  return _mm512_add_epi16(h, _mm512_srli_epi16(_mm512_avg_epu16(l, bias), 15));
 #else
-  return _mm256_blend_epi16(add_bf16_rounding(high),
-                            _mm256_srli_epi32(add_bf16_rounding(low), 16), 0x55);
+  const __m256i h = _mm256_blend_epi16(hi, _mm256_srli_epi32(lo, 16), 0x55);
+  const __m256i l = _mm256_blend_epi16(_mm256_slli_epi32(hi, 16), lo, 0x55);
+  const __m256i bias = _mm256_add_epi16(_mm256_and_si256(h, _mm256_set1_epi16(1)),
+                                        _mm256_set1_epi16(0x7ffe));
+  return _mm256_add_epi16(h, _mm256_srli_epi16(_mm256_avg_epu16(l, bias), 15));
 #endif
 }
 #else
