@@ -164,22 +164,47 @@ def test_float64_table_and_strided_table(device):
     assert_matches_reference(rope_ext.apply_rotary(x, strided), reference_of(x, strided))
 
 
-@pytest.mark.parametrize("heads", [8, 6, 5, 2])  # groups of 4, of 2, memory order, all heads
+@pytest.mark.parametrize("heads", [8, 5, 1])
+@pytest.mark.parametrize("seq", [300, 320])  # tiles and tokens left over; whole tiles
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_hf_layout_long_sequences(device, heads, inplace, dtype):
-    # [B, H, S, D] with enough positions that the CPU kernel walks the heads in groups (or in
-    # memory order): the same bits as [B, S, H, D], the layout whose heads share a span.
-    q = torch.randn(2, heads, 300, 64, device=device, dtype=dtype)
-    k = torch.randn(2, 2, 300, 64, device=device, dtype=dtype)
-    table = rope_ext.precompute_freqs_cis(48, 310, device=device)  # partial rotary
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rotary_dim,interleaved,with_positions,memory",
+                         [(48, False, False, "bhsd"), (64, False, True, "bhsd"),
+                          (64, True, False, "bhsd"), (48, True, True, "bhsd"),
+                          (64, False, False, "bshd"), (48, True, True, "bshd")])
+def test_hf_layout_long_sequences(device, heads, seq, inplace, dtype, rotary_dim, interleaved,
+                                  with_positions, memory):
+    # [B, H, S, D] with enough positions that the CPU kernel walks the tokens in tiles, each
+    # head's run of a tile in turn, and the tokens left over on their own (memory "bhsd"), or
+    # walks the heads of a token together, as a [B, H, S, D] view of [B, S, H, D] memory lies
+    # (what transformers' attention passes): the same bits as [B, S, H, D], whose heads share a
+    # span. Partial rotary, per-batch positions and one head (the batch dim then holds the
+    # rows that share a position) included.
+    gen = torch.Generator().manual_seed(seq + heads)
+
+    def randn(h):
+        if memory == "bshd":
+            x = torch.randn(2, seq, h, 64, generator=gen).transpose(1, 2)
+        else:
+            x = torch.randn(2, h, seq, 64, generator=gen)
+        return x.to(device=device, dtype=dtype)
+
+    q, k = randn(heads), randn(2)
+    table = rope_ext.precompute_freqs_cis(rotary_dim, seq + 10, device=device)
+    where = dict(offset=7)
+    bshd = dict(offset=7)
+    if with_positions:
+        positions = torch.randint(0, seq + 3, (2, 1, seq), generator=gen).to(device)
+        where, bshd = dict(positions=positions), dict(positions=positions.transpose(1, 2))
+    expected = reference_of(q, table, seq_dim=2, interleaved=interleaved, **where)
     want = [y.transpose(1, 2) for y in rope_ext.apply_rotary_qk(
-        q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), table, offset=7,
-        interleaved=False)]
-    got = rope_ext.apply_rotary_qk(q, k, table, offset=7, seq_dim=2, interleaved=False,
-                                   inplace=inplace)
+        q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), table,
+        interleaved=interleaved, **bshd)]
+    got = rope_ext.apply_rotary_qk(q, k, table, seq_dim=2, interleaved=interleaved,
+                                   inplace=inplace, **where)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert_matches_reference(got[0], expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -10,6 +10,10 @@
 
 namespace rope_ext::cpu {
 
+// Hugging Face's [B, H, S, D] walks its tokens in tiles of kTileTokens (rope_cpu.cpp); the
+// kernel keeps the rotations of one tile.
+constexpr int64_t kTileTokens = 32;
+
 using RotaryKernel = void (*)(const RotaryParams& p, at::ScalarType x_dtype,
                               at::ScalarType table_dtype);
 // The fused RMSNorm + RoPE kernel (qk_norm_cpu_kernel_impl.h), forward or backward.

@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <new>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -356,8 +359,8 @@ struct StepInput {
 };
 
 template <typename scalar_t, bool kInterleaved>
-inline StepInput<scalar_t, kInterleaved> load_step(const scalar_t* x, int64_t i,
-                                                    int64_t pairs) {
+C10_ALWAYS_INLINE StepInput<scalar_t, kInterleaved> load_step(const scalar_t* x, int64_t i,
+                                                               int64_t pairs) {
   StepInput<scalar_t, kInterleaved> in;
   if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
     // One lane holds one pair (x0 low, x1 high).
@@ -379,8 +382,9 @@ inline StepInput<scalar_t, kInterleaved> load_step(const scalar_t* x, int64_t i,
 
 // Rotates the loaded step by r and stores it at pair i of out.
 template <typename scalar_t, bool kInterleaved, bool kCheckNan = true>
-inline void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* out, int64_t i,
-                        int64_t pairs, const StepRotation<scalar_t, kInterleaved>& r) {
+C10_ALWAYS_INLINE void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* out,
+                                   int64_t i, int64_t pairs,
+                                   const StepRotation<scalar_t, kInterleaved>& r) {
   using V = Vectorized<opmath_t<scalar_t>>;
   if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
     auto [x0, x1] = split_bf16_lanes(in.lanes0);
@@ -412,8 +416,8 @@ inline void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* o
 
 // One full-vector step of a contiguous row: the kStepPairs pairs from pair i on.
 template <typename scalar_t, bool kInterleaved, bool kCheckNan = true>
-inline void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
-                        const StepRotation<scalar_t, kInterleaved>& r) {
+C10_ALWAYS_INLINE void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
+                                   const StepRotation<scalar_t, kInterleaved>& r) {
   finish_step<scalar_t, kInterleaved, kCheckNan>(load_step<scalar_t, kInterleaved>(x, i, pairs),
                                                  out, i, pairs, r);
 }
@@ -518,80 +522,153 @@ void rotate_contiguous_row(const scalar_t* x, scalar_t* out, const Source& r, in
 // vectors (fewer pairs than one step), or with one more full step overlapping the last.
 enum class Tail { kNone, kMasked, kOverlap };
 
+// The step rotations of one position for rows whose rotary part is kSteps full steps and
+// the kTail ending, built once from a Rotation and applied to many rows.
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+struct SpanRotation {
+  StepRotation<scalar_t, kInterleaved> steps[kSteps > 0 ? kSteps : 1];
+  StepRotation<scalar_t, kInterleaved> last;  // kOverlap: the step overlapping the last full one
+  TailRotation<scalar_t, kInterleaved> tail;  // kMasked: the partial step
+
+  SpanRotation() = default;
+  SpanRotation(const Rotation<opmath_t<scalar_t>>& r, int64_t pairs) {
+    constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+    for (int k = 0; k < kSteps; ++k) {
+      steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
+    }
+    if constexpr (kTail == Tail::kOverlap) {
+      last = StepRotation<scalar_t, kInterleaved>(r, pairs - kStep);
+    } else if constexpr (kTail == Tail::kMasked) {
+      tail = TailRotation<scalar_t, kInterleaved>(r, kSteps * kStep, pairs - kSteps * kStep);
+    }
+  }
+};
+
+// Rotates one contiguous row by r; `pass_through`: out is not x and features [2 * pairs,
+// head_dim) are copied over.
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+C10_ALWAYS_INLINE void rotate_row_by(const scalar_t* x, scalar_t* out,
+                                     const SpanRotation<scalar_t, kInterleaved, kSteps, kTail>& r,
+                                     int64_t pairs, int64_t head_dim, bool pass_through) {
+  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
+  constexpr bool kCheckNan = !kNanLowBitsClear<Rotation<opmath_t<scalar_t>>>;
+  StepInput<scalar_t, kInterleaved> last_in;
+  if constexpr (kTail == Tail::kOverlap) {  // loaded before the full steps write over it
+    last_in = load_step<scalar_t, kInterleaved>(x, pairs - kStep, pairs);
+  }
+  for (int k = 0; k < kSteps; ++k) {
+    rotate_step<scalar_t, kInterleaved, kCheckNan>(x, out, k * kStep, pairs, r.steps[k]);
+  }
+  if constexpr (kTail == Tail::kOverlap) {
+    finish_step<scalar_t, kInterleaved, kCheckNan>(last_in, out, pairs - kStep, pairs, r.last);
+  } else if constexpr (kTail == Tail::kMasked) {
+    rotate_tail<scalar_t, kInterleaved>(x, out, kSteps * kStep, pairs - kSteps * kStep, pairs,
+                                        r.tail);
+  }
+  if (pass_through) {
+    std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
+  }
+}
+
 // Rotates `rows` contiguous rows (x and out `xs` / `os` elements apart) that share the
-// rotation r, whose rotary part is kSteps full steps and the kTail ending: the rotation stays
-// in registers across the rows, which is what decode (one position for every head of every
-// sequence) and the heads of a prefill token run through.
+// rotation r: the rotation stays in registers across the rows, which is what decode (one
+// position for every head of every sequence) and the heads of a prefill token run through.
 template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
 void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                             int64_t os, const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
                             int64_t head_dim) {
-  constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
-  constexpr bool kCheckNan = !kNanLowBitsClear<Rotation<opmath_t<scalar_t>>>;
-  StepRotation<scalar_t, kInterleaved> steps[kSteps > 0 ? kSteps : 1];
-  for (int k = 0; k < kSteps; ++k) {
-    steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
-  }
-  const int64_t last = pairs - kStep;  // the overlapping step
-  const int64_t rest = pairs - kSteps * kStep;  // the masked step
-  StepRotation<scalar_t, kInterleaved> last_rotation;
-  TailRotation<scalar_t, kInterleaved> tail;
-  if constexpr (kTail == Tail::kOverlap) {
-    last_rotation = StepRotation<scalar_t, kInterleaved>(r, last);
-  } else if constexpr (kTail == Tail::kMasked) {
-    tail = TailRotation<scalar_t, kInterleaved>(r, kSteps * kStep, rest);
-  }
+  const SpanRotation<scalar_t, kInterleaved, kSteps, kTail> rotation(r, pairs);
   const bool pass_through = x != out && head_dim > 2 * pairs;
   for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
-    StepInput<scalar_t, kInterleaved> last_in;
-    if constexpr (kTail == Tail::kOverlap) {
-      last_in = load_step<scalar_t, kInterleaved>(x, last, pairs);
+    rotate_row_by(x, out, rotation, pairs, head_dim, pass_through);
+  }
+}
+
+// One head's rows of a tile of tokens (the tiled walk of [B, H, S, D], rope_cpu.cpp): `rows`
+// contiguous rows (x and out `xs` / `os` elements apart), row j turned by the rotation of
+// the tile's token j. The tile's rotations are built into `cache` (RowFunctions'
+// tile_bytes_per_token a token) from `rotations` when `fresh`, and reused by every other head
+// of the tile. Row j first prefetches row j of the next run, `ahead_x` / `ahead_out` elements
+// on, if it has one (`ahead_rows`): the runs are a few KiB each, too short for the hardware
+// prefetchers to follow.
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+void rotate_contiguous_tile(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
+                            int64_t os, const Rotation<opmath_t<scalar_t>>* rotations,
+                            void* cache, bool fresh, int64_t ahead_x, int64_t ahead_out,
+                            int64_t ahead_rows, int64_t pairs, int64_t head_dim) {
+  using Cached = SpanRotation<scalar_t, kInterleaved, kSteps, kTail>;
+  auto* tile = static_cast<Cached*>(cache);
+  if (fresh) {
+    for (int64_t j = 0; j < rows; ++j) {
+      new (tile + j) Cached(rotations[j], pairs);
     }
-    for (int k = 0; k < kSteps; ++k) {
-      rotate_step<scalar_t, kInterleaved, kCheckNan>(x, out, k * kStep, pairs, steps[k]);
+  }
+  const bool pass_through = x != out && head_dim > 2 * pairs;
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
+    if (row < ahead_rows) {
+      const auto* next_x = reinterpret_cast<const char*>(x + ahead_x);
+      const auto* next_out = reinterpret_cast<const char*>(out + ahead_out);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(next_x + b, 0, 3);
+        if (out != x) {
+          __builtin_prefetch(next_out + b, 1, 3);
+        }
+      }
     }
-    if constexpr (kTail == Tail::kOverlap) {
-      finish_step<scalar_t, kInterleaved, kCheckNan>(last_in, out, last, pairs, last_rotation);
-    } else if constexpr (kTail == Tail::kMasked) {
-      rotate_tail<scalar_t, kInterleaved>(x, out, kSteps * kStep, rest, pairs, tail);
-    }
-    if (pass_through) {
-      std::memcpy(out + 2 * pairs, x + 2 * pairs, (head_dim - 2 * pairs) * sizeof(scalar_t));
-    }
+    rotate_row_by(x, out, tile[row], pairs, head_dim, pass_through);
   }
 }
 
 template <typename scalar_t, bool kInterleaved>
 using SpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
                         const Rotation<opmath_t<scalar_t>>&, int64_t, int64_t);
-
-// The span function for a rotary dim of `pairs` pairs: 1..8 full steps, a partial step
-// alone, or 1..4 full steps and an overlapping one (head dims such as 80 or 96); nullptr
-// for the rest.
 template <typename scalar_t, bool kInterleaved>
-SpanFn<scalar_t, kInterleaved> span_function(int64_t pairs) {
+using TileFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
+                        const Rotation<opmath_t<scalar_t>>*, void*, bool, int64_t, int64_t,
+                        int64_t, int64_t, int64_t);
+
+// The span and tile functions for a rotary dim of `pairs` pairs, and the bytes a tile cache
+// takes per token: 1..8 full steps, a partial step alone, or 1..4 full steps and an
+// overlapping one (head dims such as 80 or 96); nullptrs for the rest.
+template <typename scalar_t, bool kInterleaved>
+struct RowFunctions {
+  SpanFn<scalar_t, kInterleaved> span = nullptr;
+  TileFn<scalar_t, kInterleaved> tile = nullptr;
+  int64_t tile_bytes_per_token = 0;
+};
+
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+RowFunctions<scalar_t, kInterleaved> row_functions_of() {
+  return {rotate_contiguous_span<scalar_t, kInterleaved, kSteps, kTail>,
+          rotate_contiguous_tile<scalar_t, kInterleaved, kSteps, kTail>,
+          static_cast<int64_t>(sizeof(SpanRotation<scalar_t, kInterleaved, kSteps, kTail>))};
+}
+
+template <typename scalar_t, bool kInterleaved>
+RowFunctions<scalar_t, kInterleaved> row_functions(int64_t pairs) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
   constexpr Tail kOverlap = Tail::kOverlap;
   constexpr Tail kNone = Tail::kNone;
   if (pairs % kStep != 0) {
     switch (pairs / kStep) {
-      case 0: return rotate_contiguous_span<scalar_t, kInterleaved, 0, Tail::kMasked>;
-      case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, kOverlap>;
-      case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, kOverlap>;
-      case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, kOverlap>;
-      case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, kOverlap>;
-      default: return nullptr;
+      case 0: return row_functions_of<scalar_t, kInterleaved, 0, Tail::kMasked>();
+      case 1: return row_functions_of<scalar_t, kInterleaved, 1, kOverlap>();
+      case 2: return row_functions_of<scalar_t, kInterleaved, 2, kOverlap>();
+      case 3: return row_functions_of<scalar_t, kInterleaved, 3, kOverlap>();
+      case 4: return row_functions_of<scalar_t, kInterleaved, 4, kOverlap>();
+      default: return {};
     }
   }
   switch (pairs / kStep) {
-    case 1: return rotate_contiguous_span<scalar_t, kInterleaved, 1, kNone>;
-    case 2: return rotate_contiguous_span<scalar_t, kInterleaved, 2, kNone>;
-    case 3: return rotate_contiguous_span<scalar_t, kInterleaved, 3, kNone>;
-    case 4: return rotate_contiguous_span<scalar_t, kInterleaved, 4, kNone>;
-    case 5: return rotate_contiguous_span<scalar_t, kInterleaved, 5, kNone>;
-    case 6: return rotate_contiguous_span<scalar_t, kInterleaved, 6, kNone>;
-    case 8: return rotate_contiguous_span<scalar_t, kInterleaved, 8, kNone>;
-    default: return nullptr;
+    case 1: return row_functions_of<scalar_t, kInterleaved, 1, kNone>();
+    case 2: return row_functions_of<scalar_t, kInterleaved, 2, kNone>();
+    case 3: return row_functions_of<scalar_t, kInterleaved, 3, kNone>();
+    case 4: return row_functions_of<scalar_t, kInterleaved, 4, kNone>();
+    case 5: return row_functions_of<scalar_t, kInterleaved, 5, kNone>();
+    case 6: return row_functions_of<scalar_t, kInterleaved, 6, kNone>();
+    case 8: return row_functions_of<scalar_t, kInterleaved, 8, kNone>();
+    default: return {};
   }
 }
 
@@ -689,19 +766,24 @@ class RotationCache {
       same = same && rows[a] == cached_axes_[a];
     }
     if (!same) {
-      bool one_row = true;  // text tokens: every axis at one position, plain RoPE
-      for (int a = 1; a < p_.mrope_axes; ++a) {
-        one_row = one_row && rows[a] == rows[0];
-      }
-      if (one_row) {
-        rotation_.load(table_ + rows[0] * p_.table_row_stride, p_);
-      } else {
-        rotation_.load_mrope(table_, rows, p_);
-      }
+      load_axes(rotation_, rows);
       std::copy(rows, rows + p_.mrope_axes, cached_axes_);
       cached_position_ = 0;  // cached_axes_ holds a rotation
     }
     return rotation_;
+  }
+
+  // Loads the rotation of the row whose positions offset is pos_offset into r.
+  void load(Rotation<opmath>& r, int64_t pos_offset) const {
+    if (p_.mrope_axes == 0) {
+      r.load(table_ + row_position(p_, pos_offset) * p_.table_row_stride, p_);
+      return;
+    }
+    int64_t rows[kMaxMropeAxes];
+    for (int a = 0; a < p_.mrope_axes; ++a) {
+      rows[a] = axis_position(p_, pos_offset, a);
+    }
+    load_axes(r, rows);
   }
 
  private:
@@ -710,6 +792,19 @@ class RotationCache {
   Rotation<opmath> rotation_;
   int64_t cached_position_ = -1;
   int64_t cached_axes_[kMaxMropeAxes];  // MRoPE: the positions of the rotation loaded
+
+  // MRoPE: the rotation of table rows `rows`, one per axis, into r.
+  void load_axes(Rotation<opmath>& r, const int64_t* rows) const {
+    bool one_row = true;  // text tokens: every axis at one position, plain RoPE
+    for (int a = 1; a < p_.mrope_axes; ++a) {
+      one_row = one_row && rows[a] == rows[0];
+    }
+    if (one_row) {
+      r.load(table_ + rows[0] * p_.table_row_stride, p_);
+    } else {
+      r.load_mrope(table_, rows, p_);
+    }
+  }
 };
 
 template <typename scalar_t, typename table_t, bool kInterleaved>
@@ -718,8 +813,15 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
   const int64_t pairs = p.rot_pairs;
   RotationCache<opmath, table_t> cache(p);
   const Rotation<opmath>* rotation = nullptr;  // the current row's
-  const auto span_fn = span_function<scalar_t, kInterleaved>(pairs);
+  const auto functions = row_functions<scalar_t, kInterleaved>(pairs);
   std::vector<scalar_t> buffer;  // one strided row, gathered
+  // The tiled walk (rope_cpu.cpp): the rotations of the current tile's tokens, and what the
+  // tile function built from them, for the first span of rows that needs them.
+  std::vector<Rotation<opmath>> tile_rotations;
+  std::unique_ptr<std::byte[], void (*)(std::byte*)> tile_cache(nullptr, [](std::byte* b) {
+    ::operator delete[](b, std::align_val_t(64));
+  });
+  int64_t tile_pos = -1, tile_span = 0;  // the tile cached: positions offset and row count
   // Rows whose positions all differ read a contiguous opmath table in place (not MRoPE, whose
   // rows mix table rows).
   const opmath* direct_table = nullptr;
@@ -756,9 +858,36 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
       const int64_t span = std::min(hi - row, cursor.span());
       const scalar_t* xr = x + cursor.x();
       scalar_t* outr = out + cursor.out();
-      if (contiguous && shared && span_fn != nullptr) {
+      if (contiguous && shared && functions.span != nullptr) {
         use_position(cursor.pos());
-        span_fn(xr, outr, span, xs, os, *rotation, pairs, op.head_dim);
+        functions.span(xr, outr, span, xs, os, *rotation, pairs, op.head_dim);
+      } else if (contiguous && !shared && functions.tile != nullptr && span <= kTileTokens &&
+                 inner >= 1 && op.pos_strides[inner - 1] == 0 && op.sizes[inner - 1] > 1) {
+        // A head's rows of a tile of tokens, the next dim walking the heads.
+        const bool fresh = cursor.pos() != tile_pos || span != tile_span;
+        if (fresh) {
+          if (tile_cache == nullptr) {
+            tile_rotations.reserve(kTileTokens);
+            for (int64_t j = 0; j < kTileTokens; ++j) {
+              tile_rotations.emplace_back(pairs);
+            }
+            tile_cache.reset(static_cast<std::byte*>(::operator new[](
+                kTileTokens * functions.tile_bytes_per_token, std::align_val_t(64))));
+          }
+          for (int64_t j = 0; j < span; ++j) {
+            cache.load(tile_rotations[j], cursor.pos() + j * ps);
+          }
+          tile_pos = cursor.pos();
+          tile_span = span;
+        }
+        // The next span of the task's rows (the next head's run, or the next tile's first),
+        // for the tile function to prefetch.
+        RowCursor next = cursor;
+        next.advance(span);
+        const int64_t next_rows = std::min(hi - row - span, next.span());
+        functions.tile(xr, outr, span, xs, os, tile_rotations.data(), tile_cache.get(), fresh,
+                       next.x() - cursor.x(), next.out() - cursor.out(),
+                       std::max<int64_t>(next_rows, 0), pairs, op.head_dim);
       } else {
         for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
           if (contiguous && !shared && direct_table != nullptr) {
