@@ -105,8 +105,8 @@ void move_dim(RotaryOperand& op, int64_t from, int64_t to) {
 
 // The heads of a token walked together (the dim d of shared_position_dim innermost): the
 // kernel rotates them as one span, the table row read once and the rotation in registers.
-// Where a head's rows span many bytes, that is as many streams S rows apart as there are
-// heads, so: all heads where a head's rows span few bytes (decode, short sequences), else
+// Where heads lie far apart, that is as many streams as there are heads, so: all heads where
+// they lie a few KiB apart at most (decode, short sequences, [B, S, H, D] memory), else
 // groups of kHeadGroup heads (dim d split in two). The fused norm kernel walks rows this way;
 // the rotary kernel tiles long sequences instead (walk_in_tiles). bf16 half-split q, k
 // [1, 32, 2048, 128], 2 threads, AMD EPYC (Zen 4), all heads / groups of 4 / memory order:
@@ -115,7 +115,15 @@ void move_dim(RotaryOperand& op, int64_t from, int64_t to) {
 // [8, 32, 16, 128] out of place, all heads vs memory order: 113 vs 181 us.
 constexpr int64_t kHeadGroup = 4;
 
-// The rows between two heads up to which all heads of a token are walked together.
+// The bytes between two heads (dim d) of op in x or out, whichever is further: S rows in
+// [B, H, S, D] memory, one row in a [B, H, S, D] view of [B, S, H, D] memory (what
+// transformers' attention passes after its transpose).
+int64_t head_bytes(const RotaryOperand& op, int64_t d, int64_t row_bytes) {
+  return std::max(std::abs(op.x_strides[d]), std::abs(op.out_strides[d])) * row_bytes /
+         op.head_dim;
+}
+
+// The bytes between two heads up to which all heads of a token are walked together.
 int64_t max_head_bytes(bool inplace) {
   return inplace ? 64 * 1024 : 8 * 1024;
 }
@@ -127,7 +135,7 @@ void walk_heads_together(RotaryOperand& op, int64_t row_bytes, bool inplace) {
   }
   const int64_t last = op.ndim - 1;
   const int64_t group = op.sizes[d] % kHeadGroup == 0 ? kHeadGroup : 2;
-  if (op.sizes[last] * row_bytes > max_head_bytes(inplace) && op.sizes[d] > group) {
+  if (head_bytes(op, d, row_bytes) > max_head_bytes(inplace) && op.sizes[d] > group) {
     if (op.sizes[d] % group != 0 || op.ndim == kMaxDims) {
       return;  // memory order
     }
@@ -145,8 +153,8 @@ void walk_heads_together(RotaryOperand& op, int64_t row_bytes, bool inplace) {
   move_dim(op, d, last);
 }
 
-// The rotary kernel's walk of an operand of shared_position_dim d >= 0 whose heads' rows span
-// more than max_head_bytes: its tokens in tiles of kTileTokens, and within a tile each head's
+// The rotary kernel's walk of an operand of shared_position_dim d >= 0 whose heads lie more
+// than max_head_bytes apart: its tokens in tiles of kTileTokens, and within a tile each head's
 // run of kTileTokens contiguous rows in turn ([..., H, S] -> [..., S / T, H, T]). The kernel
 // builds the tile's rotations once for all heads, and prefetches the next head's run while it
 // rotates one (rotate_contiguous_tile). Walking heads side by side (walk_heads_together)
@@ -162,7 +170,7 @@ std::optional<RotaryParams> walk_in_tiles(RotaryParams& p, int o, int64_t row_by
   RotaryOperand& op = p.operands[o];
   int64_t d = shared_position_dim(op);
   const int64_t last = op.ndim - 1;
-  if (d < 0 || op.sizes[last] * row_bytes <= max_head_bytes(op.out == op.x) ||
+  if (d < 0 || head_bytes(op, d, row_bytes) <= max_head_bytes(op.out == op.x) ||
       op.sizes[last] < 2 * kTileTokens || op.ndim == kMaxDims) {
     walk_heads_together(op, row_bytes, op.out == op.x);
     return std::nullopt;
