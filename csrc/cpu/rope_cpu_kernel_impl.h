@@ -307,12 +307,21 @@ template <typename scalar_t, bool kInterleaved>
 constexpr bool kBlocked = kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> &&
                           !kInterleaved;
 
+// The second cos / sin vectors of a half-split step; interleaved steps have none (the tiled
+// walk keeps a tile's steps in L1, at no more than the bytes they use).
+template <typename V, bool kInterleaved>
+struct HalfSplitRotation {
+  V c1, s1;
+};
+template <typename V>
+struct HalfSplitRotation<V, true> {};
+
 // The cos / sin vectors of one step starting at pair i (sin already negated for inverse
 // calls): one each for interleaved rows, two each for half-split rows.
 template <typename scalar_t, bool kInterleaved>
-struct StepRotation {
+struct StepRotation : HalfSplitRotation<Vectorized<opmath_t<scalar_t>>, kInterleaved> {
   using V = Vectorized<opmath_t<scalar_t>>;
-  V c0, s0, c1, s1;
+  V c0, s0;
 
   StepRotation() = default;
   StepRotation(const Rotation<opmath_t<scalar_t>>& r, int64_t i) {
@@ -320,12 +329,12 @@ struct StepRotation {
     c0 = V::loadu(r.cos + i);
     s0 = V::loadu(r.sin + i);
     if constexpr (!kInterleaved) {
-      c1 = V::loadu(r.cos + i + kV);
-      s1 = V::loadu(r.sin + i + kV);
+      this->c1 = V::loadu(r.cos + i + kV);
+      this->s1 = V::loadu(r.sin + i + kV);
     }
     if constexpr (kBlocked<scalar_t, kInterleaved>) {
-      std::tie(c0, c1) = at::vec::deinterleave2(c0, c1);
-      std::tie(s0, s1) = at::vec::deinterleave2(s0, s1);
+      std::tie(c0, this->c1) = at::vec::deinterleave2(c0, this->c1);
+      std::tie(s0, this->s1) = at::vec::deinterleave2(s0, this->s1);
     }
   }
   StepRotation(const TableRow<opmath_t<scalar_t>>& t, int64_t i) {
@@ -333,18 +342,18 @@ struct StepRotation {
     std::tie(c0, s0) = at::vec::deinterleave2(V::loadu(t.entry + 2 * i),
                                               V::loadu(t.entry + 2 * i + kV));
     if constexpr (!kInterleaved) {
-      std::tie(c1, s1) = at::vec::deinterleave2(V::loadu(t.entry + 2 * i + 2 * kV),
-                                                V::loadu(t.entry + 2 * i + 3 * kV));
+      std::tie(this->c1, this->s1) = at::vec::deinterleave2(
+          V::loadu(t.entry + 2 * i + 2 * kV), V::loadu(t.entry + 2 * i + 3 * kV));
     }
     if (t.inverse) {
       s0 = s0.neg();
       if constexpr (!kInterleaved) {
-        s1 = s1.neg();
+        this->s1 = this->s1.neg();
       }
     }
     if constexpr (kBlocked<scalar_t, kInterleaved>) {
-      std::tie(c0, c1) = at::vec::deinterleave2(c0, c1);
-      std::tie(s0, s1) = at::vec::deinterleave2(s0, s1);
+      std::tie(c0, this->c1) = at::vec::deinterleave2(c0, this->c1);
+      std::tie(s0, this->s1) = at::vec::deinterleave2(s0, this->s1);
     }
   }
 };
@@ -524,11 +533,22 @@ enum class Tail { kNone, kMasked, kOverlap };
 
 // The step rotations of one position for rows whose rotary part is kSteps full steps and
 // the kTail ending, built once from a Rotation and applied to many rows.
+// What a row turns by after its full steps, by kTail: nothing, the step overlapping the last
+// full one (last), or the partial step (tail).
+template <typename scalar_t, bool kInterleaved, Tail kTail>
+struct SpanEnding {};
+template <typename scalar_t, bool kInterleaved>
+struct SpanEnding<scalar_t, kInterleaved, Tail::kOverlap> {
+  StepRotation<scalar_t, kInterleaved> last;
+};
+template <typename scalar_t, bool kInterleaved>
+struct SpanEnding<scalar_t, kInterleaved, Tail::kMasked> {
+  TailRotation<scalar_t, kInterleaved> tail;
+};
+
 template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
-struct SpanRotation {
+struct SpanRotation : SpanEnding<scalar_t, kInterleaved, kTail> {
   StepRotation<scalar_t, kInterleaved> steps[kSteps > 0 ? kSteps : 1];
-  StepRotation<scalar_t, kInterleaved> last;  // kOverlap: the step overlapping the last full one
-  TailRotation<scalar_t, kInterleaved> tail;  // kMasked: the partial step
 
   SpanRotation() = default;
   SpanRotation(const Rotation<opmath_t<scalar_t>>& r, int64_t pairs) {
@@ -537,9 +557,10 @@ struct SpanRotation {
       steps[k] = StepRotation<scalar_t, kInterleaved>(r, k * kStep);
     }
     if constexpr (kTail == Tail::kOverlap) {
-      last = StepRotation<scalar_t, kInterleaved>(r, pairs - kStep);
+      this->last = StepRotation<scalar_t, kInterleaved>(r, pairs - kStep);
     } else if constexpr (kTail == Tail::kMasked) {
-      tail = TailRotation<scalar_t, kInterleaved>(r, kSteps * kStep, pairs - kSteps * kStep);
+      this->tail =
+          TailRotation<scalar_t, kInterleaved>(r, kSteps * kStep, pairs - kSteps * kStep);
     }
   }
 };
