@@ -161,8 +161,8 @@ void walk_heads_together(RotaryOperand& op, int64_t row_bytes, bool inplace) {
 // strides over as many streams S rows apart, which on some processors the hardware
 // prefetchers cannot follow. bf16 half-split q, k [1, 32, 2048, 128] out of place, 2 threads,
 // AMD EPYC (Zen 5), median ratio to clone: groups of 4 heads 2.6-4.5, memory order 1.1-1.5,
-// tiles of 32 with the prefetch 1.1-1.65, of 16 or 64 no better (in place, to copy_:
-// 1.4-2.3, 0.8-1.4, 0.5-1.0).
+// tiles of 32 with the prefetch 1.1-1.65, of 16 or 64 no better over both kernels (in place,
+// to copy_: 1.4-2.3, 0.8-1.4, 0.5-1.0).
 //
 // The last S % T tokens go into a RotaryParams of their own (op's view of them as its one
 // operand, the offset or positions moved to their first token; their heads walked together),
