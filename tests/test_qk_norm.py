@@ -139,6 +139,38 @@ def test_matches_rms_norm_then_rope(device):
     torch.testing.assert_close(k_out, k_two, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_blocks_of_rows(device, dtype, interleaved, head_dim):
+    """A token's heads are normalised in blocks of rows (16 on the CPU), their sums reduced
+    together: every head count around a block's size matches the reference, and gives the
+    bits of the same rows taken one at a time (a contiguous [B, H, S, D], whose rows along
+    the sequence each have a position of their own); a NaN or inf row spoils only itself."""
+    gen = torch.Generator().manual_seed(11)
+    freqs = table(head_dim, device=device)
+    for heads, kv_heads in [(1, 1), (2, 1), (3, 2), (15, 5), (16, 8), (17, 3), (37, 1)]:
+        q = (torch.randn(2, 5, heads, head_dim, generator=gen) * 3).to(dtype).to(device)
+        k = torch.randn(2, 5, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+        if heads > 2:  # a row of NaN and a row of inf in one token's block
+            q[0, 1, 1] = float("nan")
+            q[1, 3, heads - 1] = float("inf")
+        wq, wk = weights(head_dim, dtype, gen).to(device), weights(head_dim, dtype, gen).to(device)
+        kwargs = dict(interleaved=interleaved, offset=2)
+        q_out, k_out = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, freqs, **kwargs)
+        finite = torch.ones(2, 5, heads, dtype=torch.bool, device=device)
+        if heads > 2:
+            finite[0, 1, 1] = finite[1, 3, heads - 1] = False
+            assert q_out[~finite].isnan().all()
+        assert_matches_reference(q_out[finite], expected(q, wq, freqs, **kwargs)[finite])
+        assert_matches_reference(k_out, expected(k, wk, freqs, **kwargs))
+        q_rows, k_rows = rope_ext.rms_norm_rotary_qk(
+            q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), wq, wk, freqs,
+            seq_dim=2, **kwargs)
+        assert torch.equal(q_rows.transpose(1, 2)[finite], q_out[finite]), (heads, kv_heads)
+        assert torch.equal(k_rows.transpose(1, 2), k_out), (heads, kv_heads)
+
+
 def test_zero_rows_and_empty(device):
     """An all-zero row stays zero (its scale is 1 / sqrt(eps)); an empty q is no work."""
     q = torch.zeros(1, 3, 2, 16, device=device)
