@@ -396,20 +396,25 @@ C10_ALWAYS_INLINE Vectorized<opmath_t<scalar_t>> row_squares(const scalar_t* x, 
 // go: each pair of shuffles and its add takes one step of that order for two vectors at once,
 // 45 operations for 16 rows where one row at a time took 8 each, all of them on one chain.
 // reduce() takes a whole number of groups.
-template <typename opmath, bool kTogether = true>
-struct BlockReduction {
+template <typename opmath>
+void reduce_each_row(const opmath* acc, int rows, opmath* sums) {
   using V = Vectorized<opmath>;
+  for (int g = 0; g < rows; ++g) {
+    sums[g] = at::vec::vec_reduce_all<opmath>([](V& a, V& b) { return a + b; },
+                                              V::loadu(acc + g * V::size()));
+  }
+}
+
+template <typename opmath>
+struct BlockReduction {
   static constexpr int kGroup = 1;
   static void reduce(const opmath* acc, int rows, opmath* sums) {
-    for (int g = 0; g < rows; ++g) {
-      sums[g] = at::vec::vec_reduce_all<opmath>([](V& a, V& b) { return a + b; },
-                                                V::loadu(acc + g * V::size()));
-    }
+    reduce_each_row(acc, rows, sums);
   }
 };
 #if defined(CPU_CAPABILITY_AVX512)
 template <>
-struct BlockReduction<float, true> {
+struct BlockReduction<float> {
   static constexpr int kGroup = 16;
   static void reduce(const float* acc, int /*rows: kGroup*/, float* sums) {
     __m512 l1[8], l2[4], l3[2];
@@ -434,7 +439,7 @@ struct BlockReduction<float, true> {
 };
 #elif defined(CPU_CAPABILITY_AVX2)
 template <>
-struct BlockReduction<float, true> {
+struct BlockReduction<float> {
   static constexpr int kGroup = 8;
   static void reduce(const float* acc, int rows, float* sums) {
     for (int group = 0; group < rows; group += kGroup) {
@@ -486,7 +491,7 @@ void norm_rotate_block_fast(const scalar_t* x, scalar_t* out, int rows, int64_t 
     }
     Reduction::reduce(acc, reduced, scale);
   } else {
-    BlockReduction<opmath, false>::reduce(acc, rows, scale);
+    reduce_each_row(acc, rows, scale);
   }
   // rms_scale, a vector of rows at a time: the same IEEE operations, so the same bits.
   const V n(static_cast<opmath>(2 * pairs));
@@ -494,24 +499,18 @@ void norm_rotate_block_fast(const scalar_t* x, scalar_t* out, int rows, int64_t 
     const int lanes = std::min<int>(V::size(), reduced - g);
     (V(1) / (V::loadu(scale + g, lanes) / n + V(eps)).sqrt()).store(scale + g, lanes);
   }
-  constexpr int64_t kRowBytes = 2 * kSteps * kStep * static_cast<int64_t>(sizeof(scalar_t));
   // Rows back to back in memory ([B, S, H, D], and transformers' [B, H, S, D] views of it)
   // are prefetched kNormPrefetchRows ahead, into the next spans: the first pass then reads
   // them from L1, where it had nothing to overlap their wait on L2 or L3.
   constexpr int64_t kRowElems = 2 * kSteps * kStep;
+  constexpr int64_t kRowBytes = kRowElems * static_cast<int64_t>(sizeof(scalar_t));
   const bool ahead_x = xs == kRowElems, ahead_out = out != x && os == kRowElems;
   for (int g = 0; g < rows; ++g) {
-    if (ahead_x) {
-      const auto* next = reinterpret_cast<const char*>(x + (g + kNormPrefetchRows) * xs);
-      for (int64_t b = 0; b < kRowBytes; b += 64) {  // unrolled: kRowBytes is a constant
-        __builtin_prefetch(next + b, 0, 3);
-      }
+    if (ahead_x) {  // unrolled: kRowBytes is a constant
+      prefetch_bytes<false>(x + (g + kNormPrefetchRows) * xs, kRowBytes);
     }
     if (ahead_out) {
-      const auto* next = reinterpret_cast<const char*>(out + (g + kNormPrefetchRows) * os);
-      for (int64_t b = 0; b < kRowBytes; b += 64) {
-        __builtin_prefetch(next + b, 1, 3);
-      }
+      prefetch_bytes<true>(out + (g + kNormPrefetchRows) * os, kRowBytes);
     }
     const V r(scale[g]);
     for (int k = 0; k < kSteps; ++k) {

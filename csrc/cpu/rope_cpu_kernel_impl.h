@@ -605,6 +605,15 @@ void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int6
   }
 }
 
+// Prefetches the `bytes` from p on into L1, a cache line at a time; kWrite: for writing.
+template <bool kWrite>
+C10_ALWAYS_INLINE void prefetch_bytes(const void* p, int64_t bytes) {
+  const auto* line = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(line + b, kWrite ? 1 : 0, 3);
+  }
+}
+
 // One head's rows of a tile of tokens (the tiled walk of [B, H, S, D], rope_cpu.cpp): `rows`
 // contiguous rows (x and out `xs` / `os` elements apart), row j turned by the rotation of
 // the tile's token j. The tile's rotations are built into `cache` (RowFunctions'
@@ -628,13 +637,9 @@ void rotate_contiguous_tile(const scalar_t* x, scalar_t* out, int64_t rows, int6
   const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
     if (row < ahead_rows) {
-      const auto* next_x = reinterpret_cast<const char*>(x + ahead_x);
-      const auto* next_out = reinterpret_cast<const char*>(out + ahead_out);
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch(next_x + b, 0, 3);
-        if (out != x) {
-          __builtin_prefetch(next_out + b, 1, 3);
-        }
+      prefetch_bytes<false>(x + ahead_x, row_bytes);
+      if (out != x) {
+        prefetch_bytes<true>(out + ahead_out, row_bytes);
       }
     }
     rotate_row_by(x, out, tile[row], pairs, head_dim, pass_through);
