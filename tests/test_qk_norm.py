@@ -143,13 +143,15 @@ def test_matches_rms_norm_then_rope(device):
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_blocks_of_rows(device, dtype, interleaved, head_dim):
-    """A token's heads are normalised in blocks of rows (16 on the CPU), their sums reduced
-    together: every head count around a block's size matches the reference, and gives the
-    bits of the same rows taken one at a time (a contiguous [B, H, S, D], whose rows along
-    the sequence each have a position of their own); a NaN or inf row spoils only itself."""
+    """A token's heads are normalised in blocks of rows (on the CPU up to 64, q's and k's
+    heads of a token together), their sums reduced together: every head count around a
+    block's size matches the reference, and gives the bits of the same rows taken one at a
+    time (a contiguous [B, H, S, D], whose rows along the sequence each have a position of
+    their own); a NaN or inf row spoils only itself."""
     gen = torch.Generator().manual_seed(11)
     freqs = table(head_dim, device=device)
-    for heads, kv_heads in [(1, 1), (2, 1), (3, 2), (15, 5), (16, 8), (17, 3), (37, 1)]:
+    for heads, kv_heads in [(1, 1), (2, 1), (3, 2), (15, 5), (16, 8), (17, 3), (37, 1),
+                            (32, 8), (56, 8), (63, 2), (64, 1), (70, 3), (5, 100)]:
         q = (torch.randn(2, 5, heads, head_dim, generator=gen) * 3).to(dtype).to(device)
         k = torch.randn(2, 5, kv_heads, head_dim, generator=gen).to(dtype).to(device)
         if heads > 2:  # a row of NaN and a row of inf in one token's block
@@ -169,6 +171,11 @@ def test_blocks_of_rows(device, dtype, interleaved, head_dim):
             seq_dim=2, **kwargs)
         assert torch.equal(q_rows.transpose(1, 2)[finite], q_out[finite]), (heads, kv_heads)
         assert torch.equal(k_rows.transpose(1, 2), k_out), (heads, kv_heads)
+        # In place, a token's q and k rows share blocks (the CPU's token walk): the same bits.
+        q_in, k_in = q.clone(), k.clone()
+        rope_ext.rms_norm_rotary_qk(q_in, k_in, wq, wk, freqs, inplace=True, **kwargs)
+        assert torch.equal(q_in[finite], q_out[finite]), (heads, kv_heads)
+        assert torch.equal(k_in, k_out), (heads, kv_heads)
 
 
 def test_zero_rows_and_empty(device):
