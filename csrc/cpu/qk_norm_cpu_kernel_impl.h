@@ -591,7 +591,8 @@ void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64
 template <typename scalar_t, bool kInterleaved, int kSteps>
 void norm_rotate_tokens_fast(const RotaryParams& p, RowCursor (&cursors)[2], int64_t tokens,
                              const StepValues<scalar_t>* const (&weights)[2],
-                             const std::function<const Rotation<opmath_t<scalar_t>>&(int64_t)>& rotation_at,
+                             const std::function<const Rotation<opmath_t<scalar_t>>&(int64_t)>&
+                                 rotation_at,
                              opmath_t<scalar_t> eps) {
   NormSegment<scalar_t> segments[2];  // a block holds one run of q's rows and one of k's
   int64_t ahead[2];
@@ -634,8 +635,6 @@ void norm_rotate_tokens_fast(const RotaryParams& p, RowCursor (&cursors)[2], int
   }
 }
 
-template <typename scalar_t>
-using FastWeights = const StepValues<scalar_t>* const[2];
 template <typename scalar_t>
 using RotationAt = std::function<const Rotation<opmath_t<scalar_t>>&(int64_t)>;
 
