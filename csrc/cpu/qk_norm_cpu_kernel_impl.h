@@ -335,9 +335,8 @@ struct WeightedRotation {
 // and k's heads together (norm_rotate_tokens), not one operand's span at a time: three
 // chains a token of bf16 q, k [1, 2048, 32 / 8, 128] became one, and the fused kernel went
 // from 1.31x RoPE alone's time to 1.22x (2 threads of a Zen 5). Out of place, spans of up to
-// kNormBlock rows. A row's sum and scale do not depend
-// on the block it is in (the reductions below keep one order, rms_scale's operations are
-// IEEE), so every layout gets the same bits.
+// kNormBlock rows. A row's sum and scale do not depend on the block it is in (the reductions
+// below keep one order, rms_scale's operations are IEEE), so every layout gets the same bits.
 constexpr int kNormBlock = 64;
 // Rows the second pass prefetches ahead on a span's walk, and tokens on the token walk, for
 // the first pass of a later block. Measured on a Zen 5 core (bf16 q, k [1, 2048, 32 / 8,
@@ -424,25 +423,29 @@ struct BlockReduction {
 template <>
 struct BlockReduction<float> {
   static constexpr int kGroup = 16;
-  static void reduce(const float* acc, int /*rows: kGroup*/, float* sums) {
-    __m512 l1[8], l2[4], l3[2];
-    for (int p = 0; p < 8; ++p) {  // i ^ 8: [A_i + A_i^8 | B_i + B_i^8], 8 lanes each
-      const __m512 a = _mm512_load_ps(acc + 32 * p), b = _mm512_load_ps(acc + 32 * p + 16);
-      l1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+  static void reduce(const float* acc, int rows, float* sums) {
+    for (int group = 0; group < rows; group += kGroup) {
+      const float* a16 = acc + 16 * group;
+      __m512 l1[8], l2[4], l3[2];
+      for (int p = 0; p < 8; ++p) {  // i ^ 8: [A_i + A_i^8 | B_i + B_i^8], 8 lanes each
+        const __m512 a = _mm512_load_ps(a16 + 32 * p), b = _mm512_load_ps(a16 + 32 * p + 16);
+        l1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+      }
+      for (int q = 0; q < 4; ++q) {  // i ^ 4: rows 4q .. 4q + 3 in 128-bit blocks 0 .. 3
+        const __m512 x = l1[2 * q], y = l1[2 * q + 1];
+        l2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+      }
+      for (int r = 0; r < 2; ++r) {  // i ^ 2: block j holds rows 8r + j (lanes 0, 1), 8r + 4 + j
+        const __m512 x = l2[2 * r], y = l2[2 * r + 1];
+        l3[r] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xee));
+      }
+      // i ^ 1: block j holds rows j, 4 + j, 8 + j, 12 + j; row g goes back to lane g.
+      const __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88),
+                                       _mm512_shuffle_ps(l3[0], l3[1], 0xdd));
+      const __m512i order =
+          _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      _mm512_store_ps(sums + group, _mm512_permutexvar_ps(order, sum));
     }
-    for (int q = 0; q < 4; ++q) {  // i ^ 4: rows 4q .. 4q + 3 in 128-bit blocks 0 .. 3
-      const __m512 x = l1[2 * q], y = l1[2 * q + 1];
-      l2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
-    }
-    for (int r = 0; r < 2; ++r) {  // i ^ 2: block j holds rows 8r + j (lanes 0, 1), 8r + 4 + j
-      const __m512 x = l2[2 * r], y = l2[2 * r + 1];
-      l3[r] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xee));
-    }
-    // i ^ 1: block j holds rows j, 4 + j, 8 + j, 12 + j; row g goes back to lane g.
-    const __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88),
-                                     _mm512_shuffle_ps(l3[0], l3[1], 0xdd));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_store_ps(sums, _mm512_permutexvar_ps(order, sum));
   }
 };
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -516,9 +519,7 @@ void norm_rotate_block_fast(const NormSegment<scalar_t>* segments, int count,
     for (int g = rows; g < reduced; ++g) {
       V::loadu(acc + (rows - 1) * V::size()).store(acc + g * V::size());
     }
-    for (int g = 0; g < reduced; g += Reduction::kGroup) {
-      Reduction::reduce(acc + g * V::size(), Reduction::kGroup, scale + g);
-    }
+    Reduction::reduce(acc, reduced, scale);
   } else {
     reduce_each_row(acc, rows, scale);
   }
