@@ -10,7 +10,8 @@ import torch
 
 _HERE = Path(__file__).parent
 # Rebuilds against the installed torch, from the source tree.
-REBUILD = "pip install setuptools ninja && pip install --no-build-isolation --force-reinstall --no-deps ."
+REBUILD = ('pip install "setuptools>=77" ninja && '
+           "pip install --no-build-isolation --force-reinstall --no-deps .")
 
 
 def built_against() -> str | None:

@@ -111,14 +111,14 @@ def test_library_built_against_another_torch(tmp_path):
     loaded, _, stderr = _import_copy(tmp_path / "a", True, "2.99.0", source_tree=False)
     assert loaded
     assert (f"rope_ext: compiled against torch 2.99.0 but running on torch {torch.__version__}; "
-            "if anything misbehaves, rebuild with `pip install setuptools ninja && pip install "
-            "--no-build-isolation --force-reinstall --no-deps .`") in stderr
+            "if anything misbehaves, rebuild with `pip install \"setuptools>=77\" ninja && "
+            "pip install --no-build-isolation --force-reinstall --no-deps .`") in stderr
     # It does not load: the fallback's reason says why and what to run.
     loaded, error, _ = _import_copy(tmp_path / "b", False, "2.99.0", source_tree=False)
     assert not loaded
     assert error == (f"rope_ext was compiled against torch 2.99.0 but torch {torch.__version__} "
                      "is installed; rebuild it against this torch from the source tree with "
-                     "`pip install setuptools ninja && pip install --no-build-isolation "
+                     "`pip install \"setuptools>=77\" ninja && pip install --no-build-isolation "
                      "--force-reinstall --no-deps .` (`pip "
                      "install .` alone builds in an isolated environment that may get another "
                      "torch)")
