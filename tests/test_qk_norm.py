@@ -176,6 +176,16 @@ def test_blocks_of_rows(device, dtype, interleaved, head_dim):
         rope_ext.rms_norm_rotary_qk(q_in, k_in, wq, wk, freqs, inplace=True, **kwargs)
         assert torch.equal(q_in[finite], q_out[finite]), (heads, kv_heads)
         assert torch.equal(k_in, k_out), (heads, kv_heads)
+    # A decode step at one position, [B, 1, H, D] (batch and heads one dim of rows to the
+    # CPU kernel, which splits them among its threads), in place: the same bits again.
+    q = torch.randn(40, 1, 32, head_dim, generator=gen).to(dtype).to(device)
+    k = torch.randn(40, 1, 8, head_dim, generator=gen).to(dtype).to(device)
+    kwargs = dict(interleaved=interleaved, offset=50)
+    q_out, k_out = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, freqs, **kwargs)
+    assert_matches_reference(q_out, expected(q, wq, freqs, **kwargs))
+    assert_matches_reference(k_out, expected(k, wk, freqs, **kwargs))
+    rope_ext.rms_norm_rotary_qk(q, k, wq, wk, freqs, inplace=True, **kwargs)
+    assert torch.equal(q, q_out) and torch.equal(k, k_out)
 
 
 def test_zero_rows_and_empty(device):
