@@ -535,7 +535,8 @@ def time_fn(fn: Callable[[], object], device: str, min_run_time: float = 0.5) ->
 class Result:
     case: Case
     provider: str
-    seconds: float
+    seconds: float  # the median round
+    rounds: tuple[float, ...] = ()  # seconds per call in each round, in order
 
     @property
     def gbps(self) -> float:
@@ -559,19 +560,33 @@ def run_case(case: Case, include_compile: bool = True, include_backward: bool = 
     for _ in range(rounds):
         for name, fn in chosen.items():
             times[name].append(time_fn(fn, case.device, min_run_time / rounds))
-    return [Result(case, name, statistics.median(t)) for name, t in times.items()]
+    return [Result(case, name, statistics.median(t), tuple(t)) for name, t in times.items()]
+
+
+def paired_ratio(num: Result, den: Result) -> float:
+    """num's time / den's: the median of the two's ratios round by round, when both were timed
+    in the same interleaved rounds, else the ratio of their medians. A round's two timings are
+    made within a second of each other, so a slow spell of the machine (other tenants, its
+    clock) that lasts a round or two moves both, where the ratio of medians can set one
+    provider's fast rounds against the other's slow ones: on a host whose copy_ time swung
+    2.7x in a session, one run's fused / RoPE alone said 1.45 and A/B runs right after it
+    1.07-1.18."""
+    if num.rounds and len(num.rounds) == len(den.rounds):
+        return statistics.median(a / b for a, b in zip(num.rounds, den.rounds))
+    return num.seconds / den.seconds
 
 
 def target_ratios(results: list[Result]) -> list[dict]:
-    """QK_NORM_TARGETS's ratios (seconds / seconds) for each case that timed both providers."""
+    """QK_NORM_TARGETS's ratios (time / time, paired_ratio) for each case that timed both
+    providers."""
     rows = []
     for label in dict.fromkeys(r.case.label() for r in results):
-        by = {r.provider: r.seconds for r in results if r.case.label() == label}
+        by = {r.provider: r for r in results if r.case.label() == label}
         device = next(r.case.device for r in results if r.case.label() == label)
         for what, num, den, cmp, target, only_on in QK_NORM_TARGETS:
             if num not in by or den not in by or only_on not in (None, device):
                 continue
-            ratio = by[num] / by[den]
+            ratio = paired_ratio(by[num], by[den])
             met = None if target is None else (ratio <= target if cmp == "<=" else
                                                ratio >= target)
             rows.append(dict(case=label, ratio=what, value=ratio,
@@ -586,7 +601,7 @@ def markdown_table(results: list[Result]) -> str:
     lines = []
     for label in dict.fromkeys(r.case.label() for r in results):
         rows = [r for r in results if r.case.label() == label]
-        by = {r.provider: r.seconds for r in rows}
+        by = {r.provider: r for r in rows}
         copy = by.get("copy_ (bound, in-place)")
         clone = by.get("clone (bound, out-of-place)")
         lines += [f"**{label}**", "",
@@ -594,7 +609,7 @@ def markdown_table(results: list[Result]) -> str:
                   "|---|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r.provider} | {r.seconds * 1e3:.3f} | {r.gbps:.1f} | "
-                         f"{r.seconds / copy:.2f} | {r.seconds / clone:.2f} |")
+                         f"{paired_ratio(r, copy):.2f} | {paired_ratio(r, clone):.2f} |")
         lines.append("")
         mine = [t for t in targets if t["case"] == label]
         if mine:
