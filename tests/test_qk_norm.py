@@ -177,9 +177,10 @@ def test_blocks_of_rows(device, dtype, interleaved, head_dim):
         assert torch.equal(q_in[finite], q_out[finite]), (heads, kv_heads)
         assert torch.equal(k_in, k_out), (heads, kv_heads)
     # A decode step at one position, [B, 1, H, D] (batch and heads one dim of rows to the
-    # CPU kernel, which splits them among its threads), in place: the same bits again.
-    q = torch.randn(40, 1, 32, head_dim, generator=gen).to(dtype).to(device)
-    k = torch.randn(40, 1, 8, head_dim, generator=gen).to(dtype).to(device)
+    # CPU kernel, which splits them among its threads: 2,560 rows are more than a forward
+    # task's 1,024 of 128 or 2,048 of 64), in place: the same bits again.
+    q = torch.randn(64, 1, 32, head_dim, generator=gen).to(dtype).to(device)
+    k = torch.randn(64, 1, 8, head_dim, generator=gen).to(dtype).to(device)
     kwargs = dict(interleaved=interleaved, offset=50)
     q_out, k_out = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, freqs, **kwargs)
     assert_matches_reference(q_out, expected(q, wq, freqs, **kwargs))
