@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,6 +70,23 @@ def _native_devices() -> frozenset[str]:
 # Device types the native ops serve; fixed at import so torch.compile sees a constant.
 NATIVE_DEVICES = _native_devices()
 _warned: set[str] = set()
+
+
+_EAGER_ENTRIES: dict[str, Callable[..., object]] = {}
+
+
+def op(name: str) -> Callable[..., object]:
+    """torch.ops.rope_ext.<name>.default to call. In eager mode its C++ entry point, the
+    overload's bound `_op`: the same dispatcher call, torch function handling included,
+    without OpOverload.__call__'s Python frame (~0.4 us of a decode step's ~20). Under
+    torch.compile the overload itself, which Dynamo traces."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.rope_ext, name).default
+    entry = _EAGER_ENTRIES.get(name)
+    if entry is None:
+        overload = getattr(torch.ops.rope_ext, name).default
+        entry = _EAGER_ENTRIES[name] = getattr(overload, "_op", overload)
+    return entry
 
 
 def supports(device: torch.device) -> bool:

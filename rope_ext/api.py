@@ -21,9 +21,25 @@ def _table_arg(freqs_cis: torch.Tensor) -> torch.Tensor:
     through its real view themselves; a Python view_as_real costs ~1 us a call), the real view
     under torch.compile (Inductor cannot reinplace a mutating custom op with a complex input:
     "auto_functionalized_v2 was not removed")."""
-    if freqs_cis.is_complex() and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and freqs_cis.is_complex():
         return torch.view_as_real(freqs_cis)
     return freqs_cis
+
+
+# The rotation ops' arguments after offset at their schema defaults: seq_dim, interleaved,
+# inverse, mrope_section, mrope_interleaved (tests/test_ops.py reads them back from the
+# schemas). A boxed torch.ops call converts each argument it is passed, ~0.1-0.4 us apiece,
+# so the wrappers leave off a tail of defaults.
+ROTARY_TAIL_DEFAULTS = (1, True, False, None, False)
+
+
+def _rotary_args(table, positions, offset, tail: tuple) -> tuple:
+    """The rotation ops' arguments from freqs_cis on, less a tail of defaults."""
+    if tail == ROTARY_TAIL_DEFAULTS:
+        return (table, positions, offset)
+    if tail[2:] == ROTARY_TAIL_DEFAULTS[2:]:  # seq_dim, interleaved: rope_ext.hf's calls
+        return (table, positions, offset, *tail[:2])
+    return (table, positions, offset, *tail)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -201,16 +217,17 @@ def apply_rotary(
             time otherwise.
     """
     mrope_section = None if mrope_section is None else list(mrope_section)
-    table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
-                                       _table_arg(freqs_cis), positions, offset, seq_dim,
-                                       mrope_section)
+    table = _table_arg(freqs_cis)
+    if type(x) is not torch.Tensor:
+        table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
+                                           table, positions, offset, seq_dim, mrope_section)
     if _native.serves(x):
-        args = (table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
-                mrope_interleaved)
+        args = _rotary_args(table, positions, offset,
+                            (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved))
         if inplace:
-            torch.ops.rope_ext.apply_rotary_.default(x, *args)
+            _native.op("apply_rotary_")(x, *args)
             return x
-        return torch.ops.rope_ext.apply_rotary.default(x, *args)
+        return _native.op("apply_rotary")(x, *args)
     op = "apply_rotary_" if inplace else "apply_rotary"
     _fallback_checks(op, (x,), ("x",), table, positions, offset, seq_dim, inplace,
                      mrope_section, mrope_interleaved)
@@ -244,16 +261,18 @@ def apply_rotary_qk(
     rope_ext.distributed. mrope_section / mrope_interleaved: as for apply_rotary.
     """
     mrope_section = None if mrope_section is None else list(mrope_section)
-    table, positions = _dtensor_inputs("apply_rotary_qk_" if inplace else "apply_rotary_qk",
-                                       [q, k], _table_arg(freqs_cis), positions, offset,
-                                       seq_dim, mrope_section)
+    table = _table_arg(freqs_cis)
+    if type(q) is not torch.Tensor:
+        table, positions = _dtensor_inputs("apply_rotary_qk_" if inplace else "apply_rotary_qk",
+                                           [q, k], table, positions, offset, seq_dim,
+                                           mrope_section)
     if _native.serves(q):
-        args = (table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
-                mrope_interleaved)
+        args = _rotary_args(table, positions, offset,
+                            (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved))
         if inplace:
-            torch.ops.rope_ext.apply_rotary_qk_.default(q, k, *args)
+            _native.op("apply_rotary_qk_")(q, k, *args)
             return q, k
-        return torch.ops.rope_ext.apply_rotary_qk.default(q, k, *args)
+        return _native.op("apply_rotary_qk")(q, k, *args)
     op = "apply_rotary_qk_" if inplace else "apply_rotary_qk"
     _fallback_checks(op, (q, k), ("q", "k"), table, positions, offset, seq_dim, inplace,
                      mrope_section, mrope_interleaved)

@@ -12,6 +12,21 @@ from . import _checks, _native, reference
 from .api import _dtensor_inputs, _table_arg, is_dtensor
 
 
+# rms_norm_rotary_qk's arguments after offset at their schema defaults: seq_dim,
+# interleaved, eps, weight_offset, mrope_section, mrope_interleaved (see
+# api.ROTARY_TAIL_DEFAULTS).
+NORM_TAIL_DEFAULTS = (1, True, 1e-6, 0.0, None, False)
+
+
+def _norm_args(q_weight, k_weight, table, positions, offset, tail: tuple) -> tuple:
+    """rms_norm_rotary_qk's arguments from q_weight on, less a tail of defaults."""
+    if tail == NORM_TAIL_DEFAULTS:
+        return (q_weight, k_weight, table, positions, offset)
+    if tail[4:] == NORM_TAIL_DEFAULTS[4:]:  # Qwen3 and Gemma 3: no MRoPE
+        return (q_weight, k_weight, table, positions, offset, *tail[:4])
+    return (q_weight, k_weight, table, positions, offset, *tail)
+
+
 def rms_norm_rotary_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,20 +65,22 @@ def rms_norm_rotary_qk(
     """
     mrope_section = None if mrope_section is None else list(mrope_section)
     op = "rms_norm_rotary_qk_" if inplace else "rms_norm_rotary_qk"
-    table, positions = _dtensor_inputs(op, [q, k], _table_arg(freqs_cis), positions, offset,
-                                       seq_dim, mrope_section)
-    if is_dtensor(q):  # plain weights: every rank's whole copy
+    table = _table_arg(freqs_cis)
+    if is_dtensor(q):  # DTensor table and positions; plain weights: every rank's whole copy
         from . import distributed
 
+        table, positions = _dtensor_inputs(op, [q, k], table, positions, offset, seq_dim,
+                                           mrope_section)
         q_weight, k_weight = (distributed.replicate(w, q.device_mesh)
                               for w in (q_weight, k_weight))
     if _native.serves(q):
-        args = (q_weight, k_weight, table, positions, offset, seq_dim, interleaved, eps,
-                weight_offset, mrope_section, mrope_interleaved)
+        args = _norm_args(q_weight, k_weight, table, positions, offset,
+                          (seq_dim, interleaved, eps, weight_offset, mrope_section,
+                           mrope_interleaved))
         if inplace:
-            torch.ops.rope_ext.rms_norm_rotary_qk_.default(q, k, *args)
+            _native.op(op)(q, k, *args)
             return q, k
-        return torch.ops.rope_ext.rms_norm_rotary_qk.default(q, k, *args)
+        return _native.op(op)(q, k, *args)
     _checks.check_norm_args(op, q, k, q_weight, k_weight, table, positions, offset, seq_dim, eps,
                             mrope_section, mrope_interleaved)
     if inplace:

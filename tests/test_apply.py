@@ -227,6 +227,53 @@ def test_ops_take_the_complex_table(device, dtype):
     torch.testing.assert_close(y, ops.apply_rotary(x, real, *args), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op, names, defaults", [
+    (op, ("seq_dim", "interleaved", "inverse", "mrope_section", "mrope_interleaved"),
+     rope_ext.api.ROTARY_TAIL_DEFAULTS)
+    for op in ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_")
+] + [
+    (op, ("seq_dim", "interleaved", "eps", "weight_offset", "mrope_section",
+          "mrope_interleaved"), rope_ext.qk_norm.NORM_TAIL_DEFAULTS)
+    for op in ("rms_norm_rotary_qk", "rms_norm_rotary_qk_")
+])
+def test_wrappers_leave_off_only_schema_defaults(op, names, defaults):
+    # The wrappers drop trailing arguments equal to these defaults; they must be the schema's.
+    arguments = getattr(torch.ops.rope_ext, op).default._schema.arguments
+    tail = arguments[[a.name for a in arguments].index("offset") + 1:]
+    assert tuple(a.name for a in tail) == names
+    assert tuple(a.default_value for a in tail) == defaults
+
+
+def test_eager_calls_reach_torch_function_modes(device):
+    # The wrappers call the overloads' C++ entry points in eager mode; torch function modes
+    # (and subclasses) still see the op, with every argument the wrapper passed.
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(2, 5, 4, 16, device=device)
+    k = torch.randn(2, 5, 2, 16, device=device)
+    table = rope_ext.precompute_freqs_cis(16, 32, device=device)
+    expected = rope_ext.apply_rotary_qk(q, k, table, offset=3, interleaved=False)
+    with Record() as mode:
+        got = rope_ext.apply_rotary_qk(q, k, table, offset=3, interleaved=False)
+        rope_ext.apply_rotary(q, table, inplace=True)
+    ops = [func for func, _ in mode.calls]
+    assert torch.ops.rope_ext.apply_rotary_qk.default in ops
+    assert torch.ops.rope_ext.apply_rotary_.default in ops
+    call_args = dict(mode.calls)[torch.ops.rope_ext.apply_rotary_qk.default]
+    assert call_args[3:] == (None, 3, 1, False)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 def test_inverse_undoes_rotation(device):
     x = torch.randn(3, 20, 4, 64, device=device)
     table = rope_ext.precompute_freqs_cis(64, 20, device=device)
