@@ -1025,11 +1025,27 @@ void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType
     using row_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_cpu_table", [&] {
       using table_t = scalar_t;
+      // A task takes the same share of every operand (q's rows [begin, end) * q.rows / rows
+      // and k's likewise), not q's rows on one thread and k's on another: out of place, the
+      // allocator may hand q's output the block k's had last call, which the other core
+      // then holds in its cache. Float32 q, k [32, 1, 32, 128] out of place, 2 threads, ran
+      // in 1.03x to 2.0x `clone`'s time from one process to the next, split by operand.
       at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-        if (p.interleaved) {
-          rotate_rows<row_t, table_t, true>(p, begin, end);
-        } else {
-          rotate_rows<row_t, table_t, false>(p, begin, end);
+        int64_t first = 0;
+        for (int o = 0; o < p.num_operands; ++o) {
+          const int64_t n = p.operands[o].rows;
+          const auto share = [&](int64_t at) {
+            return first + static_cast<int64_t>(static_cast<__int128>(at) * n / rows);
+          };
+          const int64_t lo = share(begin), hi = share(end);
+          if (lo < hi) {
+            if (p.interleaved) {
+              rotate_rows<row_t, table_t, true>(p, lo, hi);
+            } else {
+              rotate_rows<row_t, table_t, false>(p, lo, hi);
+            }
+          }
+          first += n;
         }
       });
     });
