@@ -27,7 +27,7 @@ def _table_arg(freqs_cis: torch.Tensor) -> torch.Tensor:
 
 
 # The rotation ops' arguments after offset at their schema defaults: seq_dim, interleaved,
-# inverse, mrope_section, mrope_interleaved (tests/test_ops.py reads them back from the
+# inverse, mrope_section, mrope_interleaved (tests/test_apply.py reads them back from the
 # schemas). A boxed torch.ops call converts each argument it is passed, ~0.1-0.4 us apiece,
 # so the wrappers leave off a tail of defaults.
 ROTARY_TAIL_DEFAULTS = (1, True, False, None, False)
