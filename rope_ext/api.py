@@ -33,13 +33,15 @@ def _table_arg(freqs_cis: torch.Tensor) -> torch.Tensor:
 ROTARY_TAIL_DEFAULTS = (1, True, False, None, False)
 
 
-def _rotary_args(table, positions, offset, tail: tuple) -> tuple:
-    """The rotation ops' arguments from freqs_cis on, less a tail of defaults."""
-    if tail == ROTARY_TAIL_DEFAULTS:
-        return (table, positions, offset)
-    if tail[2:] == ROTARY_TAIL_DEFAULTS[2:]:  # seq_dim, interleaved: rope_ext.hf's calls
-        return (table, positions, offset, *tail[:2])
-    return (table, positions, offset, *tail)
+def _op_args(head: tuple, tail: tuple, defaults: tuple, keep: int) -> tuple:
+    """head + tail, less a tail of the schema's defaults: none of tail when it is all
+    defaults, its first `keep` entries when only those differ (the common calls: rope_ext.hf
+    passes seq_dim and interleaved), else all of it."""
+    if tail == defaults:
+        return head
+    if tail[keep:] == defaults[keep:]:
+        return head + tail[:keep]
+    return head + tail
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -222,8 +224,9 @@ def apply_rotary(
         table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
                                            table, positions, offset, seq_dim, mrope_section)
     if _native.serves(x):
-        args = _rotary_args(table, positions, offset,
-                            (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved))
+        args = _op_args((table, positions, offset),
+                        (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved),
+                        ROTARY_TAIL_DEFAULTS, 2)
         if inplace:
             _native.op("apply_rotary_")(x, *args)
             return x
@@ -267,8 +270,9 @@ def apply_rotary_qk(
                                            [q, k], table, positions, offset, seq_dim,
                                            mrope_section)
     if _native.serves(q):
-        args = _rotary_args(table, positions, offset,
-                            (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved))
+        args = _op_args((table, positions, offset),
+                        (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved),
+                        ROTARY_TAIL_DEFAULTS, 2)
         if inplace:
             _native.op("apply_rotary_qk_")(q, k, *args)
             return q, k

@@ -9,22 +9,13 @@ from collections.abc import Sequence
 import torch
 
 from . import _checks, _native, reference
-from .api import _dtensor_inputs, _table_arg, is_dtensor
+from .api import _dtensor_inputs, _op_args, _table_arg, is_dtensor
 
 
 # rms_norm_rotary_qk's arguments after offset at their schema defaults: seq_dim,
 # interleaved, eps, weight_offset, mrope_section, mrope_interleaved (see
 # api.ROTARY_TAIL_DEFAULTS).
 NORM_TAIL_DEFAULTS = (1, True, 1e-6, 0.0, None, False)
-
-
-def _norm_args(q_weight, k_weight, table, positions, offset, tail: tuple) -> tuple:
-    """rms_norm_rotary_qk's arguments from q_weight on, less a tail of defaults."""
-    if tail == NORM_TAIL_DEFAULTS:
-        return (q_weight, k_weight, table, positions, offset)
-    if tail[4:] == NORM_TAIL_DEFAULTS[4:]:  # Qwen3 and Gemma 3: no MRoPE
-        return (q_weight, k_weight, table, positions, offset, *tail[:4])
-    return (q_weight, k_weight, table, positions, offset, *tail)
 
 
 def rms_norm_rotary_qk(
@@ -74,9 +65,10 @@ def rms_norm_rotary_qk(
         q_weight, k_weight = (distributed.replicate(w, q.device_mesh)
                               for w in (q_weight, k_weight))
     if _native.serves(q):
-        args = _norm_args(q_weight, k_weight, table, positions, offset,
-                          (seq_dim, interleaved, eps, weight_offset, mrope_section,
-                           mrope_interleaved))
+        # Qwen3 and Gemma 3 differ from the defaults at most before the MRoPE arguments.
+        args = _op_args((q_weight, k_weight, table, positions, offset),
+                        (seq_dim, interleaved, eps, weight_offset, mrope_section,
+                         mrope_interleaved), NORM_TAIL_DEFAULTS, 4)
         if inplace:
             _native.op(op)(q, k, *args)
             return q, k
