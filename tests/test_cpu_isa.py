@@ -88,6 +88,45 @@ for interleaved in (True, False):
                                          interleaved=interleaved)
         assert torch.equal(out.isnan(), want.isnan()), ("norm", interleaved)
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2, equal_nan=True)
+# Streaming stores: out of place, a call that moves more bytes than its threads' L2 holds
+# writes with non-temporal stores (span and tile walks, fused norm). One thread and q, k of
+# 2M elements each move well past any L2 here, and must match the in-place results (regular
+# stores, the same arithmetic) bit for bit, on every layout, with rows that cannot stream
+# (head_dim 80, a misaligned output) beside them.
+torch.set_num_threads(1)
+import subprocess
+l2 = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout
+l2 = int(l2) if l2.strip().isdigit() else 0  # what the kernel reads (sysconf); 0: unknown
+assert 2 * 2 * 2**21 * 2 > max(l2, 2**20), l2  # bf16 q and k, read and written
+for rot, head_dim in ((128, 128), (64, 128), (80, 80)):
+    table = rope_ext.precompute_freqs_cis(rot, 2048)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        q = torch.randn(1, 2048, 8 * 128 // head_dim, head_dim).to(dtype)
+        k = torch.randn(1, 2048, 8 * 128 // head_dim, head_dim).to(dtype)
+        for interleaved in (True, False):
+            for seq_dim, view in ((1, lambda t: t), (2, lambda t: t.transpose(1, 2))):
+                kw = dict(interleaved=interleaved, seq_dim=seq_dim)
+                got = rope_ext.apply_rotary_qk(view(q), view(k), table, **kw)
+                want = [view(q).clone(), view(k).clone()]
+                rope_ext.apply_rotary_qk(*want, table, inplace=True, **kw)
+                for g, w in zip(got, want):
+                    assert torch.equal(g, w), ("stream", rot, head_dim, dtype, interleaved, seq_dim)
+        # A view one element into its storage: the output is allocated aligned, the input not.
+        flat = torch.randn(q.numel() + 1).to(dtype)
+        shifted = flat[1:].view(q.shape)
+        got = rope_ext.apply_rotary(shifted, table)
+        want = shifted.clone()
+        rope_ext.apply_rotary(want, table, inplace=True)
+        assert torch.equal(got, want), ("stream shifted", rot, dtype)
+        if rot == head_dim:
+            wq, wk = torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5
+            for interleaved in (True, False):
+                got = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, table, interleaved=interleaved)
+                want = [q.clone(), k.clone()]
+                rope_ext.rms_norm_rotary_qk(*want, wq, wk, table, interleaved=interleaved,
+                                            inplace=True)
+                for g, w in zip(got, want):
+                    assert torch.equal(g, w), ("stream norm", head_dim, dtype, interleaved)
 print("ok")
 """
 

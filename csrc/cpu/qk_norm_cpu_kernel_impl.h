@@ -290,20 +290,21 @@ StepValues<scalar_t> weight_step(const opmath_t<scalar_t>* w, int64_t i, int64_t
 }
 
 // The values come from bfloat16 rows, a Rotation and scale_weights' weights, whose NaNs all
-// have clear low bits (kNanLowBitsClear): the joins skip the NaN check.
-template <typename scalar_t, bool kInterleaved>
+// have clear low bits (kNanLowBitsClear): the joins skip the NaN check. kStream: streaming
+// stores (store_vector).
+template <typename scalar_t, bool kInterleaved, bool kStream = false>
 void store_step(const StepValues<scalar_t>& y, scalar_t* out, int64_t i, int64_t pairs) {
   if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> && kInterleaved) {
-    join_bf16_lanes<false>(y.x0a, y.x1a).store(out + 2 * i);
+    store_vector<kStream>(out + 2 * i, join_bf16_lanes<false>(y.x0a, y.x1a));
   } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
-    join_bf16_lanes<false>(y.x0a, y.x0b).store(out + i);
-    join_bf16_lanes<false>(y.x1a, y.x1b).store(out + pairs + i);
+    store_vector<kStream>(out + i, join_bf16_lanes<false>(y.x0a, y.x0b));
+    store_vector<kStream>(out + pairs + i, join_bf16_lanes<false>(y.x1a, y.x1b));
   } else if constexpr (kInterleaved) {
     const auto [lo, hi] = at::vec::interleave2(y.x0a, y.x1a);
-    store2(out + 2 * i, lo, hi);
+    store2<kStream>(out + 2 * i, lo, hi);
   } else {
-    store2(out + i, y.x0a, y.x0b);
-    store2(out + pairs + i, y.x1a, y.x1b);
+    store2<kStream>(out + i, y.x0a, y.x0b);
+    store2<kStream>(out + pairs + i, y.x1a, y.x1b);
   }
 }
 
@@ -487,8 +488,9 @@ struct NormSegment {
 };
 
 // Normalises and rotates a block: the rows of `count` segments, kNormBlock at most, all
-// turned by `rotation`, each segment's with its operand's weights (in step order).
-template <typename scalar_t, bool kInterleaved, int kSteps>
+// turned by `rotation`, each segment's with its operand's weights (in step order); streaming
+// stores when kStream.
+template <typename scalar_t, bool kInterleaved, int kSteps, bool kStream = false>
 void norm_rotate_block_fast(const NormSegment<scalar_t>* segments, int count,
                             const StepValues<scalar_t>* const (&weights)[2],
                             const Rotation<opmath_t<scalar_t>>& rotation, int64_t pairs,
@@ -559,7 +561,7 @@ void norm_rotate_block_fast(const NormSegment<scalar_t>* segments, int count,
         if constexpr (!kInterleaved) {
           turn[1][k].apply(v.x0b, v.x1b, r);
         }
-        store_step<scalar_t, kInterleaved>(v, out, k * kStep, pairs);
+        store_step<scalar_t, kInterleaved, kStream>(v, out, k * kStep, pairs);
       }
     }
   }
@@ -568,21 +570,22 @@ void norm_rotate_block_fast(const NormSegment<scalar_t>* segments, int count,
 // Normalises and rotates `rows` rows of operand o that share the rotation, a block at a time.
 // Rows back to back in memory ([B, S, H, D], and transformers' [B, H, S, D] views of it) are
 // prefetched kNormPrefetchRows ahead, into the next spans: the first pass then reads them
-// from L1, where it had nothing to overlap their wait on L2 or L3.
-template <typename scalar_t, bool kInterleaved, int kSteps>
+// from L1, where it had nothing to overlap their wait on L2 or L3. kStream: streaming stores
+// (stream_output), and no prefetch of out.
+template <typename scalar_t, bool kInterleaved, int kSteps, bool kStream>
 void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                            int64_t os, int o, const StepValues<scalar_t>* const (&weights)[2],
                            const Rotation<opmath_t<scalar_t>>& rotation, int64_t pairs,
                            opmath_t<scalar_t> eps) {
   constexpr int64_t kRowElems = 2 * kSteps * kStepPairs<scalar_t, kInterleaved>;
   const int64_t ahead_x = xs == kRowElems ? kNormPrefetchRows * xs : 0;
-  const int64_t ahead_out = out != x && os == kRowElems ? kNormPrefetchRows * os : 0;
+  const int64_t ahead_out = out != x && os == kRowElems && !kStream ? kNormPrefetchRows * os : 0;
   for (int64_t row = 0; row < rows; row += kNormBlock) {
     const int block = static_cast<int>(std::min<int64_t>(kNormBlock, rows - row));
     const NormSegment<scalar_t> segment{x + row * xs, out + row * os, xs, os, block, o,
                                         ahead_x, ahead_out};
-    norm_rotate_block_fast<scalar_t, kInterleaved, kSteps>(&segment, 1, weights, rotation,
-                                                           pairs, eps);
+    norm_rotate_block_fast<scalar_t, kInterleaved, kSteps, kStream>(&segment, 1, weights,
+                                                                    rotation, pairs, eps);
   }
 }
 
@@ -640,21 +643,28 @@ template <typename scalar_t>
 using RotationAt = std::function<const Rotation<opmath_t<scalar_t>>&(int64_t)>;
 
 // The fast path's functions for rows of `pairs` pairs, all rotated, in 1, 2, 4 or 8 whole
-// steps; nullptrs for other rows.
+// steps; nullptrs for other rows. span_stream: span's streaming-store form (stream_output).
+template <typename scalar_t>
+using FastSpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t, int,
+                            const StepValues<scalar_t>* const (&)[2],
+                            const Rotation<opmath_t<scalar_t>>&, int64_t, opmath_t<scalar_t>);
 template <typename scalar_t>
 struct FastFunctions {
-  void (*span)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t, int,
-               const StepValues<scalar_t>* const (&)[2], const Rotation<opmath_t<scalar_t>>&,
-               int64_t, opmath_t<scalar_t>) = nullptr;
+  FastSpanFn<scalar_t> span = nullptr;
   void (*tokens)(const RotaryParams&, RowCursor (&)[2], int64_t,
                  const StepValues<scalar_t>* const (&)[2], const RotationAt<scalar_t>&,
                  opmath_t<scalar_t>) = nullptr;
+  FastSpanFn<scalar_t> span_stream = nullptr;
 };
 
 template <typename scalar_t, bool kInterleaved, int kSteps>
 FastFunctions<scalar_t> fast_functions_of() {
-  return {norm_rotate_span_fast<scalar_t, kInterleaved, kSteps>,
-          norm_rotate_tokens_fast<scalar_t, kInterleaved, kSteps>};
+  FastFunctions<scalar_t> f{norm_rotate_span_fast<scalar_t, kInterleaved, kSteps, false>,
+                            norm_rotate_tokens_fast<scalar_t, kInterleaved, kSteps>};
+  if constexpr (kStreamingStores && kSteps > 0) {
+    f.span_stream = norm_rotate_span_fast<scalar_t, kInterleaved, kSteps, true>;
+  }
+  return f;
 }
 
 template <typename scalar_t, bool kInterleaved>
@@ -744,10 +754,11 @@ void norm_rotate_tokens(const NormRotaryParams& np,
 // dependent operations (sum, reduction, sqrt, division), which the other rows' loads overlap.
 constexpr int64_t kNormGroup = 4;
 
+// `stream`: contiguous rows whose output allows it take streaming stores (stream_output).
 template <typename scalar_t, typename table_t, bool kInterleaved>
 void norm_rotate_rows(const NormRotaryParams& np,
                       const PaddedRow<opmath_t<scalar_t>> (&weights)[2], int64_t begin,
-                      int64_t end) {
+                      int64_t end, bool stream) {
   using opmath = opmath_t<scalar_t>;
   const RotaryParams& p = np.rotary;
   RotationCache<opmath, table_t> cache(p, 2 * Vectorized<opmath>::size());
@@ -756,7 +767,8 @@ void norm_rotate_rows(const NormRotaryParams& np,
   PaddedRow<opmath> rows_buffer(kNormGroup * row_stride);
   std::vector<scalar_t> gathered;  // rows with strided features, made contiguous
   const opmath eps = static_cast<opmath>(np.eps);
-  const auto fast = fast_functions<scalar_t, kInterleaved>(p.rot_pairs, width).span;
+  const auto fast_functions_here = fast_functions<scalar_t, kInterleaved>(p.rot_pairs, width);
+  const auto fast = fast_functions_here.span;
   std::vector<StepValues<scalar_t>> steps[2];
   if (fast != nullptr) {
     fast_step_weights<scalar_t, kInterleaved>(p, weights, steps);
@@ -772,7 +784,10 @@ void norm_rotate_rows(const NormRotaryParams& np,
     const bool contiguous = op.x_feature_stride == 1 && op.out_feature_stride == 1;
     if (fast != nullptr && n == width) {
       if (contiguous && ps == 0) {
-        fast(x, out, span, xs, os, o, fast_weights, cache.at(pos_at), p.rot_pairs, eps);
+        const bool streams = stream && fast_functions_here.span_stream != nullptr &&
+                             streamable(out, span, os);
+        (streams ? fast_functions_here.span_stream : fast)(x, out, span, xs, os, o, fast_weights,
+                                                           cache.at(pos_at), p.rot_pairs, eps);
         return;
       }
       // Strided rows are gathered and take the same path, so every layout gets the same bits.
@@ -914,6 +929,14 @@ void norm_rotary_kernel(const NormRotaryParams& np, bool backward, at::ScalarTyp
         // Each task takes the same share of every operand's rows: q's and k's cost per row
         // differ (k has fewer heads a token), and a split of the rows in order gave one
         // thread all of k.
+        int64_t moved = 0;  // bytes read and written by the operands normalised out of place
+        for (int o = 0; o < p.num_operands; ++o) {
+          const RotaryOperand& op = p.operands[o];
+          if (op.out != op.x) {
+            moved += 2 * op.rows * op.head_dim * static_cast<int64_t>(sizeof(row_t));
+          }
+        }
+        const bool stream = stream_output(moved);
         at::parallel_for(0, rows, forward_grain, [&](int64_t begin, int64_t end) {
           int64_t first = 0;
           for (int o = 0; o < p.num_operands; ++o) {
@@ -921,12 +944,15 @@ void norm_rotary_kernel(const NormRotaryParams& np, bool backward, at::ScalarTyp
             const int64_t lo = first + n * begin / rows, hi = first + n * end / rows;
             if (lo < hi) {
               if (p.interleaved) {
-                norm_rotate_rows<row_t, table_t, true>(np, weights, lo, hi);
+                norm_rotate_rows<row_t, table_t, true>(np, weights, lo, hi, stream);
               } else {
-                norm_rotate_rows<row_t, table_t, false>(np, weights, lo, hi);
+                norm_rotate_rows<row_t, table_t, false>(np, weights, lo, hi, stream);
               }
             }
             first += n;
+          }
+          if (stream) {
+            end_streaming_stores();
           }
         });
         return;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -16,6 +17,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "rope_cpu_kernel.h"
 
@@ -76,15 +79,84 @@ void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
   }
 }
 
-// Stores two opmath vectors to p as 2 * Vectorized<opmath>::size() elements, rounding once.
+// Streaming stores: out of place, a call whose rows are too many to stay in the threads' L2
+// writes its output with non-temporal stores, which go to memory without first reading each
+// line in (a regular store's read for ownership), so the call moves two lines a line instead
+// of three. clone, which uses regular stores, moves three. Copying 20 MiB with 2 threads of a
+// Xeon (Sapphire Rapids, 2 MiB L2 a core): 2.8 ms with regular stores, 1.8 with streaming
+// ones; 3 MiB: 0.38 -> 0.23 ms; 2 MiB, which fits in L2 beside its source: 0.14 -> 0.20.
+// Only where Vectorized maps to SIMD registers.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kStreamingStores = true;
+#else
+constexpr bool kStreamingStores = false;
+#endif
+// The bytes a vector register holds: a streaming store's address must be a multiple of it.
+constexpr int64_t kVectorBytes = sizeof(Vectorized<float>);
+
+// Stores v at p: a streaming store when kStream (p a multiple of kVectorBytes), else a
+// regular one.
+template <bool kStream, typename V>
+C10_ALWAYS_INLINE void store_vector(void* p, const V& v) {
+  if constexpr (!kStream) {
+    v.store(p);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<V, Vectorized<float>>) {
+      _mm512_stream_ps(static_cast<float*>(p), v);
+    } else if constexpr (std::is_same_v<V, Vectorized<double>>) {
+      _mm512_stream_pd(static_cast<double*>(p), v);
+    } else {
+      _mm512_stream_si512(static_cast<__m512i*>(p), static_cast<__m512i>(v));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<V, Vectorized<float>>) {
+      _mm256_stream_ps(static_cast<float*>(p), v);
+    } else if constexpr (std::is_same_v<V, Vectorized<double>>) {
+      _mm256_stream_pd(static_cast<double*>(p), v);
+    } else {
+      _mm256_stream_si256(static_cast<__m256i*>(p), static_cast<__m256i>(v));
+    }
+#else
+    static_assert(!kStream, "streaming stores need SIMD vectors");
+#endif
+  }
+}
+
+// Orders a task's streaming stores before whatever follows it (they are weakly ordered).
+inline void end_streaming_stores() {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  _mm_sfence();
+#endif
+}
+
+// Whether a call should stream its output: out of place, moving (reading and writing) more
+// bytes than the L2 caches of the threads that run it hold.
+inline bool stream_output(int64_t bytes_moved) {
+  static const int64_t l2_bytes = [] {
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;
+  }();
+  return kStreamingStores && bytes_moved > at::get_num_threads() * l2_bytes;
+}
+
+// Whether rows from `out` on, `os` elements apart, can take streaming stores.
 template <typename scalar_t>
+bool streamable(const scalar_t* out, int64_t rows, int64_t os) {
+  return reinterpret_cast<std::uintptr_t>(out) % kVectorBytes == 0 &&
+         (rows == 1 || (os * static_cast<int64_t>(sizeof(scalar_t))) % kVectorBytes == 0);
+}
+
+// Stores two opmath vectors to p as 2 * Vectorized<opmath>::size() elements, rounding once;
+// streaming stores when kStream.
+template <bool kStream = false, typename scalar_t>
 void store2(scalar_t* p, const Vectorized<opmath_t<scalar_t>>& a,
             const Vectorized<opmath_t<scalar_t>>& b) {
   if constexpr (std::is_same_v<scalar_t, opmath_t<scalar_t>>) {
-    a.store(p);
-    b.store(p + Vectorized<scalar_t>::size());
+    store_vector<kStream>(p, a);
+    store_vector<kStream>(p + Vectorized<scalar_t>::size(), b);
   } else {
-    at::vec::convert_from_float<scalar_t>(a, b).store(p);
+    store_vector<kStream>(p, at::vec::convert_from_float<scalar_t>(a, b));
   }
 }
 
@@ -453,8 +525,8 @@ C10_ALWAYS_INLINE StepInput<scalar_t, kInterleaved> load_step(const scalar_t* x,
   return in;
 }
 
-// Rotates the loaded step by r and stores it at pair i of out.
-template <typename scalar_t, bool kInterleaved, bool kCheckNan = true>
+// Rotates the loaded step by r and stores it at pair i of out (streaming stores when kStream).
+template <typename scalar_t, bool kInterleaved, bool kCheckNan = true, bool kStream = false>
 C10_ALWAYS_INLINE void finish_step(const StepInput<scalar_t, kInterleaved>& in, scalar_t* out,
                                    int64_t i, int64_t pairs,
                                    const RowStepRotation<scalar_t, kInterleaved>& r) {
@@ -462,42 +534,42 @@ C10_ALWAYS_INLINE void finish_step(const StepInput<scalar_t, kInterleaved>& in, 
   if constexpr (kPairLanes<scalar_t, kInterleaved>) {
     const V y_a = at::vec::fmadd(dup_even(in.a), r.cs_a, dup_odd(in.a) * r.nsc_a);
     const V y_b = at::vec::fmadd(dup_even(in.b), r.cs_b, dup_odd(in.b) * r.nsc_b);
-    store2(out + 2 * i, y_a, y_b);
+    store2<kStream>(out + 2 * i, y_a, y_b);
   } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16> &&
                        kInterleaved) {
     auto [x0, x1] = split_bf16_lanes(in.lanes0);
     V y0, y1;
     rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
-    join_bf16_lanes<kCheckNan>(y0, y1).store(out + 2 * i);
+    store_vector<kStream>(out + 2 * i, join_bf16_lanes<kCheckNan>(y0, y1));
   } else if constexpr (kBf16LaneTricks && std::is_same_v<scalar_t, c10::BFloat16>) {
     auto [a_even, a_odd] = split_bf16_lanes(in.lanes0);
     auto [b_even, b_odd] = split_bf16_lanes(in.lanes1);
     V y0_even, y1_even, y0_odd, y1_odd;
     rotate_pair(a_even, b_even, r.c0, r.s0, y0_even, y1_even);
     rotate_pair(a_odd, b_odd, r.c1, r.s1, y0_odd, y1_odd);
-    join_bf16_lanes<kCheckNan>(y0_even, y0_odd).store(out + i);
-    join_bf16_lanes<kCheckNan>(y1_even, y1_odd).store(out + pairs + i);
+    store_vector<kStream>(out + i, join_bf16_lanes<kCheckNan>(y0_even, y0_odd));
+    store_vector<kStream>(out + pairs + i, join_bf16_lanes<kCheckNan>(y1_even, y1_odd));
   } else if constexpr (kInterleaved) {
     auto [x0, x1] = at::vec::deinterleave2(in.a, in.b);
     V y0, y1;
     rotate_pair(x0, x1, r.c0, r.s0, y0, y1);
     auto [out_lo, out_hi] = at::vec::interleave2(y0, y1);
-    store2(out + 2 * i, out_lo, out_hi);
+    store2<kStream>(out + 2 * i, out_lo, out_hi);
   } else {
     V y0a, y1a, y0b, y1b;
     rotate_pair(in.a, in.c, r.c0, r.s0, y0a, y1a);
     rotate_pair(in.b, in.d, r.c1, r.s1, y0b, y1b);
-    store2(out + i, y0a, y0b);
-    store2(out + pairs + i, y1a, y1b);
+    store2<kStream>(out + i, y0a, y0b);
+    store2<kStream>(out + pairs + i, y1a, y1b);
   }
 }
 
 // One full-vector step of a contiguous row: the kStepPairs pairs from pair i on.
-template <typename scalar_t, bool kInterleaved, bool kCheckNan = true>
+template <typename scalar_t, bool kInterleaved, bool kCheckNan = true, bool kStream = false>
 C10_ALWAYS_INLINE void rotate_step(const scalar_t* x, scalar_t* out, int64_t i, int64_t pairs,
                                    const RowStepRotation<scalar_t, kInterleaved>& r) {
-  finish_step<scalar_t, kInterleaved, kCheckNan>(load_step<scalar_t, kInterleaved>(x, i, pairs),
-                                                 out, i, pairs, r);
+  finish_step<scalar_t, kInterleaved, kCheckNan, kStream>(
+      load_step<scalar_t, kInterleaved>(x, i, pairs), out, i, pairs, r);
 }
 
 // The rotation of the last `rest` (< kStepPairs) pairs from pair i on, in natural order,
@@ -635,19 +707,22 @@ struct SpanRotation : SpanEnding<scalar_t, kInterleaved, kTail> {
 };
 
 // Rotates one contiguous row by r; `pass_through`: out is not x and features [2 * pairs,
-// head_dim) are copied over.
-template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+// head_dim) are copied over. kStream: the full steps' stores stream (store_vector), so out
+// is a multiple of kVectorBytes and the row ends with them.
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail, bool kStream = false>
 C10_ALWAYS_INLINE void rotate_row_by(const scalar_t* x, scalar_t* out,
                                      const SpanRotation<scalar_t, kInterleaved, kSteps, kTail>& r,
                                      int64_t pairs, int64_t head_dim, bool pass_through) {
   constexpr int64_t kStep = kStepPairs<scalar_t, kInterleaved>;
   constexpr bool kCheckNan = !kNanLowBitsClear<Rotation<opmath_t<scalar_t>>>;
+  static_assert(!kStream || kTail == Tail::kNone);
   StepInput<scalar_t, kInterleaved> last_in;
   if constexpr (kTail == Tail::kOverlap) {  // loaded before the full steps write over it
     last_in = load_step<scalar_t, kInterleaved>(x, pairs - kStep, pairs);
   }
   for (int k = 0; k < kSteps; ++k) {
-    rotate_step<scalar_t, kInterleaved, kCheckNan>(x, out, k * kStep, pairs, r.steps[k]);
+    rotate_step<scalar_t, kInterleaved, kCheckNan, kStream>(x, out, k * kStep, pairs,
+                                                            r.steps[k]);
   }
   if constexpr (kTail == Tail::kOverlap) {
     finish_step<scalar_t, kInterleaved, kCheckNan>(last_in, out, pairs - kStep, pairs, r.last);
@@ -663,14 +738,16 @@ C10_ALWAYS_INLINE void rotate_row_by(const scalar_t* x, scalar_t* out,
 // Rotates `rows` contiguous rows (x and out `xs` / `os` elements apart) that share the
 // rotation r: the rotation stays in registers across the rows, which is what decode (one
 // position for every head of every sequence) and the heads of a prefill token run through.
-template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+// kStream: streaming stores (rotate_row_by).
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail, bool kStream>
 void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                             int64_t os, const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
                             int64_t head_dim) {
   const SpanRotation<scalar_t, kInterleaved, kSteps, kTail> rotation(r, pairs);
   const bool pass_through = x != out && head_dim > 2 * pairs;
   for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
-    rotate_row_by(x, out, rotation, pairs, head_dim, pass_through);
+    rotate_row_by<scalar_t, kInterleaved, kSteps, kTail, kStream>(x, out, rotation, pairs,
+                                                                   head_dim, pass_through);
   }
 }
 
@@ -689,8 +766,8 @@ C10_ALWAYS_INLINE void prefetch_bytes(const void* p, int64_t bytes) {
 // tile_bytes_per_token a token) from `rotations` when `fresh`, and reused by every other head
 // of the tile. Row j first prefetches row j of the next run, `ahead_x` / `ahead_out` elements
 // on, if it has one (`ahead_rows`): the runs are a few KiB each, too short for the hardware
-// prefetchers to follow.
-template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
+// prefetchers to follow. kStream: streaming stores (rotate_row_by), and no prefetch of out.
+template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail, bool kStream>
 void rotate_contiguous_tile(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
                             int64_t os, const Rotation<opmath_t<scalar_t>>* rotations,
                             void* cache, bool fresh, int64_t ahead_x, int64_t ahead_out,
@@ -707,11 +784,12 @@ void rotate_contiguous_tile(const scalar_t* x, scalar_t* out, int64_t rows, int6
   for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
     if (row < ahead_rows) {
       prefetch_bytes<false>(x + ahead_x, row_bytes);
-      if (out != x) {
+      if (out != x && !kStream) {
         prefetch_bytes<true>(out + ahead_out, row_bytes);
       }
     }
-    rotate_row_by(x, out, tile[row], pairs, head_dim, pass_through);
+    rotate_row_by<scalar_t, kInterleaved, kSteps, kTail, kStream>(x, out, tile[row], pairs,
+                                                                   head_dim, pass_through);
   }
 }
 
@@ -725,19 +803,28 @@ using TileFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
 
 // The span and tile functions for a rotary dim of `pairs` pairs, and the bytes a tile cache
 // takes per token: 1..8 full steps, a partial step alone, or 1..4 full steps and an
-// overlapping one (head dims such as 80 or 96); nullptrs for the rest.
+// overlapping one (head dims such as 80 or 96); nullptrs for the rest. The streaming-store
+// span and tile functions (stream_output) only for rows of whole steps.
 template <typename scalar_t, bool kInterleaved>
 struct RowFunctions {
   SpanFn<scalar_t, kInterleaved> span = nullptr;
   TileFn<scalar_t, kInterleaved> tile = nullptr;
   int64_t tile_bytes_per_token = 0;
+  SpanFn<scalar_t, kInterleaved> span_stream = nullptr;
+  TileFn<scalar_t, kInterleaved> tile_stream = nullptr;
 };
 
 template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail>
 RowFunctions<scalar_t, kInterleaved> row_functions_of() {
-  return {rotate_contiguous_span<scalar_t, kInterleaved, kSteps, kTail>,
-          rotate_contiguous_tile<scalar_t, kInterleaved, kSteps, kTail>,
-          static_cast<int64_t>(sizeof(SpanRotation<scalar_t, kInterleaved, kSteps, kTail>))};
+  RowFunctions<scalar_t, kInterleaved> f{
+      rotate_contiguous_span<scalar_t, kInterleaved, kSteps, kTail, false>,
+      rotate_contiguous_tile<scalar_t, kInterleaved, kSteps, kTail, false>,
+      static_cast<int64_t>(sizeof(SpanRotation<scalar_t, kInterleaved, kSteps, kTail>))};
+  if constexpr (kStreamingStores && kTail == Tail::kNone) {
+    f.span_stream = rotate_contiguous_span<scalar_t, kInterleaved, kSteps, kTail, true>;
+    f.tile_stream = rotate_contiguous_tile<scalar_t, kInterleaved, kSteps, kTail, true>;
+  }
+  return f;
 }
 
 template <typename scalar_t, bool kInterleaved>
@@ -902,8 +989,9 @@ class RotationCache {
   }
 };
 
+// `stream`: contiguous rows whose output allows it take streaming stores (stream_output).
 template <typename scalar_t, typename table_t, bool kInterleaved>
-void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
+void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end, bool stream) {
   using opmath = opmath_t<scalar_t>;
   const int64_t pairs = p.rot_pairs;
   RotationCache<opmath, table_t> cache(p);
@@ -955,7 +1043,10 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
       scalar_t* outr = out + cursor.out();
       if (contiguous && shared && functions.span != nullptr) {
         use_position(cursor.pos());
-        functions.span(xr, outr, span, xs, os, *rotation, pairs, op.head_dim);
+        const bool streams = stream && functions.span_stream != nullptr &&
+                             streamable(outr, span, os);
+        (streams ? functions.span_stream : functions.span)(xr, outr, span, xs, os, *rotation,
+                                                           pairs, op.head_dim);
       } else if (contiguous && !shared && functions.tile != nullptr && span <= kTileTokens &&
                  inner >= 1 && op.pos_strides[inner - 1] == 0 && op.sizes[inner - 1] > 1) {
         // A head's rows of a tile of tokens, the next dim walking the heads.
@@ -980,9 +1071,12 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end) {
         RowCursor next = cursor;
         next.advance(span);
         const int64_t next_rows = std::min(hi - row - span, next.span());
-        functions.tile(xr, outr, span, xs, os, tile_rotations.data(), tile_cache.get(), fresh,
-                       next.x() - cursor.x(), next.out() - cursor.out(),
-                       std::max<int64_t>(next_rows, 0), pairs, op.head_dim);
+        const bool streams = stream && functions.tile_stream != nullptr &&
+                             streamable(outr, span, os);
+        (streams ? functions.tile_stream : functions.tile)(
+            xr, outr, span, xs, os, tile_rotations.data(), tile_cache.get(), fresh,
+            next.x() - cursor.x(), next.out() - cursor.out(), std::max<int64_t>(next_rows, 0),
+            pairs, op.head_dim);
       } else {
         for (int64_t j = 0; j < span; ++j, xr += xs, outr += os) {
           if (contiguous && !shared && direct_table != nullptr) {
@@ -1023,6 +1117,14 @@ void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, p.operands[0].head_dim));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_cpu", [&] {
     using row_t = scalar_t;
+    int64_t moved = 0;  // bytes read and written by the operands rotated out of place
+    for (int o = 0; o < p.num_operands; ++o) {
+      const RotaryOperand& op = p.operands[o];
+      if (op.out != op.x) {
+        moved += 2 * op.rows * op.head_dim * static_cast<int64_t>(sizeof(row_t));
+      }
+    }
+    const bool stream = stream_output(moved);
     AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_cpu_table", [&] {
       using table_t = scalar_t;
       // A task takes the same share of every operand (q's rows [begin, end) * q.rows / rows
@@ -1040,12 +1142,15 @@ void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType
           const int64_t lo = share(begin), hi = share(end);
           if (lo < hi) {
             if (p.interleaved) {
-              rotate_rows<row_t, table_t, true>(p, lo, hi);
+              rotate_rows<row_t, table_t, true>(p, lo, hi, stream);
             } else {
-              rotate_rows<row_t, table_t, false>(p, lo, hi);
+              rotate_rows<row_t, table_t, false>(p, lo, hi, stream);
             }
           }
           first += n;
+        }
+        if (stream) {
+          end_streaming_stores();
         }
       });
     });
