@@ -30,8 +30,9 @@ from .qk_norm import rms_norm_rotary_qk
 
 
 def cpu_description() -> str:
-    """The processor's model name and widest vector ISA, and the rope_ext CPU kernel that ran
-    (said to be forced when ROPE_EXT_CPU_KERNEL chose it): every CPU table names all three."""
+    """The processor's model name and widest vector ISA, the rope_ext CPU kernel that ran (said
+    to be forced when ROPE_EXT_CPU_KERNEL chose it) and ROPE_EXT_STREAMING_STORES' mode: every
+    CPU table names them."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -49,7 +50,8 @@ def cpu_description() -> str:
                 if flag in flags), "no AVX2")
     kernel = _native.build_info().get("cpu_kernel", "none")
     forced = " (forced by ROPE_EXT_CPU_KERNEL)" if os.environ.get("ROPE_EXT_CPU_KERNEL") else ""
-    return f"{model} ({isa}), CPU kernel {kernel}{forced}"
+    streaming = os.environ.get("ROPE_EXT_STREAMING_STORES", "auto") or "auto"
+    return f"{model} ({isa}), CPU kernel {kernel}{forced}, streaming stores {streaming}"
 
 
 def steady_heap() -> str:

@@ -88,45 +88,61 @@ for interleaved in (True, False):
                                          interleaved=interleaved)
         assert torch.equal(out.isnan(), want.isnan()), ("norm", interleaved)
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2, equal_nan=True)
-# Streaming stores: out of place, a call that moves more bytes than its threads' L2 holds
-# writes with non-temporal stores (span and tile walks, fused norm). One thread and q, k of
-# 2M elements each move well past any L2 here, and must match the in-place results (regular
-# stores, the same arithmetic) bit for bit, on every layout, with rows that cannot stream
-# (head_dim 80, a misaligned output) beside them.
+# Streaming stores (auto): one thread and q, k of 2M elements each move past any L2 here, so
+# out of place they stream, and must match the in-place results (regular stores) bit for bit.
 torch.set_num_threads(1)
 import subprocess
 l2 = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout
 l2 = int(l2) if l2.strip().isdigit() else 0  # what the kernel reads (sysconf); 0: unknown
 assert 2 * 2 * 2**21 * 2 > max(l2, 2**20), l2  # bf16 q and k, read and written
-for rot, head_dim in ((128, 128), (64, 128), (80, 80)):
-    table = rope_ext.precompute_freqs_cis(rot, 2048)
+table = rope_ext.precompute_freqs_cis(128, 2048)
+for dtype in (torch.bfloat16, torch.float32):
+    q, k = torch.randn(1, 2048, 8, 128).to(dtype), torch.randn(1, 2048, 8, 128).to(dtype)
+    for interleaved in (True, False):
+        got = rope_ext.apply_rotary_qk(q, k, table, interleaved=interleaved)
+        want = [q.clone(), k.clone()]
+        rope_ext.apply_rotary_qk(*want, table, inplace=True, interleaved=interleaved)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), ("stream", dtype, interleaved)
+print("ok")
+"""
+
+
+# Streaming stores everywhere (ROPE_EXT_STREAMING_STORES=1): every out-of-place call of
+# aligned rows of whole steps streams (span and tile walks, the fused norm's span walk), and
+# must match the in-place results (regular stores, the same arithmetic) bit for bit, beside
+# rows that cannot stream (head_dim 80, partial rotary's pass-through, a misaligned input).
+STREAM_SCRIPT = r"""
+import torch, rope_ext
+torch.manual_seed(0)
+for rot, head_dim in ((128, 128), (64, 128), (64, 64), (256, 256), (80, 80)):
+    table = rope_ext.precompute_freqs_cis(rot, 64)
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        q = torch.randn(1, 2048, 8 * 128 // head_dim, head_dim).to(dtype)
-        k = torch.randn(1, 2048, 8 * 128 // head_dim, head_dim).to(dtype)
+        q, k = torch.randn(2, 64, 4, head_dim).to(dtype), torch.randn(2, 64, 2, head_dim).to(dtype)
         for interleaved in (True, False):
             for seq_dim, view in ((1, lambda t: t), (2, lambda t: t.transpose(1, 2))):
-                kw = dict(interleaved=interleaved, seq_dim=seq_dim)
-                got = rope_ext.apply_rotary_qk(view(q), view(k), table, **kw)
-                want = [view(q).clone(), view(k).clone()]
-                rope_ext.apply_rotary_qk(*want, table, inplace=True, **kw)
-                for g, w in zip(got, want):
-                    assert torch.equal(g, w), ("stream", rot, head_dim, dtype, interleaved, seq_dim)
-        # A view one element into its storage: the output is allocated aligned, the input not.
-        flat = torch.randn(q.numel() + 1).to(dtype)
-        shifted = flat[1:].view(q.shape)
-        got = rope_ext.apply_rotary(shifted, table)
+                for kw in (dict(), dict(offset=0), dict(positions=torch.arange(64).view(1, 64, 1))):
+                    kw = dict(kw, interleaved=interleaved, seq_dim=seq_dim)
+                    if "positions" in kw and seq_dim == 2:
+                        kw["positions"] = kw["positions"].view(1, 1, 64)
+                    got = rope_ext.apply_rotary_qk(view(q), view(k), table, **kw)
+                    want = [view(q).clone(), view(k).clone()]
+                    rope_ext.apply_rotary_qk(*want, table, inplace=True, **kw)
+                    for g, w in zip(got, want):
+                        assert torch.equal(g, w), (rot, head_dim, dtype, interleaved, seq_dim, kw)
+        shifted = torch.randn(q.numel() + 1).to(dtype)[1:].view(q.shape)
         want = shifted.clone()
         rope_ext.apply_rotary(want, table, inplace=True)
-        assert torch.equal(got, want), ("stream shifted", rot, dtype)
+        assert torch.equal(rope_ext.apply_rotary(shifted, table), want), ("shifted", rot, dtype)
         if rot == head_dim:
             wq, wk = torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5
             for interleaved in (True, False):
-                got = rope_ext.rms_norm_rotary_qk(q, k, wq, wk, table, interleaved=interleaved)
-                want = [q.clone(), k.clone()]
-                rope_ext.rms_norm_rotary_qk(*want, wq, wk, table, interleaved=interleaved,
-                                            inplace=True)
-                for g, w in zip(got, want):
-                    assert torch.equal(g, w), ("stream norm", head_dim, dtype, interleaved)
+                for seq_dim, view in ((1, lambda t: t), (2, lambda t: t.transpose(1, 2))):
+                    kw = dict(interleaved=interleaved, seq_dim=seq_dim)
+                    got = rope_ext.rms_norm_rotary_qk(view(q), view(k), wq, wk, table, **kw)
+                    want = [view(q).clone(), view(k).clone()]
+                    rope_ext.rms_norm_rotary_qk(*want, wq, wk, table, inplace=True, **kw)
+                    for g, w in zip(got, want):
+                        assert torch.equal(g, w), ("norm", head_dim, dtype, interleaved, seq_dim)
 print("ok")
 """
 
@@ -137,11 +153,12 @@ NEEDS = {"DEFAULT": [], "AVX2": ["avx2", "fma", "f16c"], "AVX512": ["avx512f", "
          "AVX512_BF16": ["avx512f", "avx512bw", "avx512_bf16"]}
 
 
-def run(env):
-    # A kernel forced in the caller's environment (the narrower-kernel runs) is not the
-    # choice these tests make.
-    base = {k: v for k, v in os.environ.items() if k != "ROPE_EXT_CPU_KERNEL"}
-    return subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+def run(env, script=SCRIPT):
+    # A kernel or streaming mode forced in the caller's environment (the narrower-kernel
+    # runs) is not the choice these tests make.
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("ROPE_EXT_CPU_KERNEL", "ROPE_EXT_STREAMING_STORES")}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=dict(base, **env))
 
 
@@ -152,6 +169,25 @@ def test_kernel_variant(variant):
     result = run({"ROPE_EXT_CPU_KERNEL": variant})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [variant, "ok"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_streaming_stores_match_regular_ones(variant):
+    if any(flag not in CPU_FLAGS.split() for flag in NEEDS[variant]):
+        pytest.skip(f"this processor cannot run {variant}")
+    result = run({"ROPE_EXT_CPU_KERNEL": variant, "ROPE_EXT_STREAMING_STORES": "1"},
+                 STREAM_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok"]
+
+
+def test_streaming_stores_mode_is_checked():
+    script = ("import torch, rope_ext\n"
+              "rope_ext.apply_rotary(torch.randn(1, 4, 2, 64), rope_ext.precompute_freqs_cis(64, 4))")
+    result = run({"ROPE_EXT_STREAMING_STORES": "yes"}, script)
+    assert result.returncode != 0
+    assert "ROPE_EXT_STREAMING_STORES=yes: expected 0, 1 or auto" in result.stderr
+    assert run({"ROPE_EXT_STREAMING_STORES": "0"}, script).returncode == 0
 
 
 @pytest.mark.parametrize("capability,widest", [("default", "DEFAULT"), ("avx2", "AVX2")])

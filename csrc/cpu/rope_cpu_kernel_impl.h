@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -131,13 +132,28 @@ inline void end_streaming_stores() {
 }
 
 // Whether a call should stream its output: out of place, moving (reading and writing) more
-// bytes than the L2 caches of the threads that run it hold.
+// bytes than the L2 caches of the threads that run it hold. ROPE_EXT_STREAMING_STORES=0
+// never streams (for a consumer that reads the output back from L3 at once); =1 streams
+// every out-of-place call (the tests' way to reach these paths with small tensors).
 inline bool stream_output(int64_t bytes_moved) {
-  static const int64_t l2_bytes = [] {
+  static const int64_t threshold = [] {
+    const char* mode = std::getenv("ROPE_EXT_STREAMING_STORES");
+    if (mode != nullptr && std::strcmp(mode, "0") == 0) {
+      return std::numeric_limits<int64_t>::max();
+    }
+    if (mode != nullptr && std::strcmp(mode, "1") == 0) {
+      return int64_t{0};
+    }
+    TORCH_CHECK(mode == nullptr || *mode == '\0' || std::strcmp(mode, "auto") == 0,
+                "ROPE_EXT_STREAMING_STORES=", mode, ": expected 0, 1 or auto");
     const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;
+    return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;  // L2 bytes a core
   }();
-  return kStreamingStores && bytes_moved > at::get_num_threads() * l2_bytes;
+  if (!kStreamingStores || bytes_moved == 0 ||
+      threshold == std::numeric_limits<int64_t>::max()) {
+    return false;
+  }
+  return bytes_moved > at::get_num_threads() * threshold;
 }
 
 // Whether rows from `out` on, `os` elements apart, can take streaming stores.
