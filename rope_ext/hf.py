@@ -224,8 +224,22 @@ def _rotate(v: Variant, q, k, cos, sin, unsqueeze_dim):
     return q_out, k_out.to(q_out.dtype) if v.cast == "q" else k_out
 
 
+def _plain(fn):
+    """The Python function behind fn. With the `kernels` package installed, transformers 5.x
+    (5.25 on) makes each hub-kernel function, apply_rotary_pos_emb among them, an nn.Module
+    instance whose forward calls the function it was made from (the closure's `func`)."""
+    forward = getattr(type(fn), "forward", None)
+    if isinstance(fn, torch.nn.Module) and getattr(forward, "__closure__", None):
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
+        inner = cells["func"].cell_contents if "func" in cells else None
+        if inspect.isfunction(inner):
+            return inner
+    return fn
+
+
 def _dropin(v: Variant, reference):
     """A function with reference's parameters that rotates as v, through rope_ext."""
+    reference = _plain(reference)
     params = tuple(inspect.signature(reference).parameters)
     if params == ("q", "k", "cos", "sin", "unsqueeze_dim"):
         def fn(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
@@ -263,12 +277,12 @@ def _fingerprint(fn, namespace: dict, depth: int = 0):
     """What a function does, by its code: bytecode, names and constants (docstrings aside),
     parameters, and the same for the module functions it calls (rotate_half differs between
     half-split and interleaved families whose apply functions are byte-identical)."""
-    code = getattr(fn, "__code__", None)
+    code = getattr(_plain(fn), "__code__", None)
     if code is None:
         return None
     helpers = tuple(
         _fingerprint(namespace[name], namespace, depth + 1)
-        if depth < 2 and inspect.isfunction(namespace.get(name)) else name
+        if depth < 2 and inspect.isfunction(_plain(namespace.get(name))) else name
         for name in code.co_names)
     consts = tuple(c for c in code.co_consts if not isinstance(c, str))
     return (code.co_code, code.co_names, repr(consts),
@@ -349,7 +363,7 @@ def _rope_functions(module) -> dict[str, tuple[object, tuple | None]]:
     for name, current in list(vars(module).items()):
         fn = _original(module.__name__, name, current)
         if (("rotary" in name or "rope" in name) and not name.startswith("_")
-                and inspect.isfunction(fn) and fn.__module__ == module.__name__):
+                and inspect.isfunction(_plain(fn)) and _plain(fn).__module__ == module.__name__):
             out[name] = (fn, known.get(_fingerprint(fn, vars(module))))
     return out
 

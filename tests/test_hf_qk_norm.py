@@ -86,12 +86,30 @@ def test_logits_and_generation_match_float32(family, fused_calls):
 def test_logits_and_generation_match_bfloat16(family, fused_calls):
     model = tiny_model(family, torch.bfloat16)
     want_logits, want_tokens = run(model)
+    with torch.no_grad():
+        want_steps = model(want_tokens).logits.float()
     rope_ext.hf.enable(fuse_qk_norm=True)
     got_logits, got_tokens = run(model)
     # transformers rounds the norm to bfloat16 (Qwen3 before and after the weight), then rotates
     # in bfloat16 from bfloat16 cos/sin; the fused op works in float32 and rounds once.
     torch.testing.assert_close(got_logits.float(), want_logits.float(), atol=2e-2, rtol=2e-2)
-    assert torch.equal(got_tokens, want_tokens)  # (holds for these models and prompts)
+    # Those roundings differ, so a greedy token may flip where two logits lie closer than
+    # they do (qwen3, transformers 5.25: the first prompt's 15th new token, its two best
+    # logits 0.002 apart). So: the stock model's tokens, fed to both, give logits within the
+    # tolerance at every step, and the fused model's generation agrees with the stock one up
+    # to a step where the stock token is within twice that tolerance of the fused model's
+    # best, and from there on may not.
+    with torch.no_grad():
+        got_steps = model(want_tokens).logits.float()
+    torch.testing.assert_close(got_steps, want_steps, atol=2e-2, rtol=2e-2)
+    assert got_tokens.shape == want_tokens.shape
+    for b in range(IDS.shape[0]):
+        for t in range(IDS.shape[1], want_tokens.shape[1]):
+            if got_tokens[b, t] != want_tokens[b, t]:
+                step = got_steps[b, t - 1]
+                margin = step.max() - step[want_tokens[b, t]]
+                assert margin <= 2 * (2e-2 + 2e-2 * step.abs().max()), (b, t, margin)
+                break
 
 
 @pytest.mark.parametrize("family", FAMILIES)
