@@ -189,7 +189,10 @@ class BuildExtension(cpp_extension.BuildExtension):
 def extension():
     global WITH_CUDA
     WITH_CUDA = with_cuda = want_cuda()
-    cxx = ["-O3", "-fopenmp", "-fvisibility=hidden"]
+    # -g0: Python's own CFLAGS carry -g, and debug info for the kernels' template instances
+    # made the objects 26x larger and the CPU kernels' compile 1.6x slower (AVX2 kernel:
+    # 2m45 against 1m43, 48 MB against 1.9 MB).
+    cxx = ["-O3", "-g0", "-fopenmp", "-fvisibility=hidden"]
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
     link = ["-fopenmp"]
     macros = []
@@ -202,7 +205,7 @@ def extension():
         san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
         # -g1: line tables, all the reports' stack traces need; full -g made the build a
         # quarter slower (ASan and UBSan instrument every template instance the kernels make).
-        cxx = [f for f in cxx if f != "-O3"] + ["-O1", "-g1"] + san
+        cxx = [f for f in cxx if f not in ("-O3", "-g0")] + ["-O1", "-g1"] + san
         link += san
     kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     return kind(

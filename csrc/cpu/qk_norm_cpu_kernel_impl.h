@@ -767,10 +767,9 @@ void norm_rotate_rows(const NormRotaryParams& np,
   PaddedRow<opmath> rows_buffer(kNormGroup * row_stride);
   std::vector<scalar_t> gathered;  // rows with strided features, made contiguous
   const opmath eps = static_cast<opmath>(np.eps);
-  const auto fast_functions_here = fast_functions<scalar_t, kInterleaved>(p.rot_pairs, width);
-  const auto fast = fast_functions_here.span;
+  const auto fast = fast_functions<scalar_t, kInterleaved>(p.rot_pairs, width);
   std::vector<StepValues<scalar_t>> steps[2];
-  if (fast != nullptr) {
+  if (fast.span != nullptr) {
     fast_step_weights<scalar_t, kInterleaved>(p, weights, steps);
   }
   const StepValues<scalar_t>* const fast_weights[2] = {steps[0].data(), steps[1].data()};
@@ -782,27 +781,28 @@ void norm_rotate_rows(const NormRotaryParams& np,
     const auto* x = static_cast<const scalar_t*>(op.x) + x_at;
     auto* out = static_cast<scalar_t*>(op.out) + out_at;
     const bool contiguous = op.x_feature_stride == 1 && op.out_feature_stride == 1;
-    if (fast != nullptr && n == width) {
+    if (fast.span != nullptr && n == width) {
       if (contiguous && ps == 0) {
-        const bool streams = stream && fast_functions_here.span_stream != nullptr &&
-                             streamable(out, span, os);
-        (streams ? fast_functions_here.span_stream : fast)(x, out, span, xs, os, o, fast_weights,
-                                                           cache.at(pos_at), p.rot_pairs, eps);
+        const bool streams =
+            stream && fast.span_stream != nullptr && streamable(out, span, os);
+        (streams ? fast.span_stream : fast.span)(x, out, span, xs, os, o, fast_weights,
+                                                 cache.at(pos_at), p.rot_pairs, eps);
         return;
       }
       // Strided rows are gathered and take the same path, so every layout gets the same bits.
       for (int64_t j = 0; j < span; ++j) {
         const Rotation<opmath>& rotation = cache.at(pos_at + j * ps);
         if (contiguous) {
-          fast(x + j * xs, out + j * os, 1, xs, os, o, fast_weights, rotation, p.rot_pairs, eps);
+          fast.span(x + j * xs, out + j * os, 1, xs, os, o, fast_weights, rotation, p.rot_pairs,
+                    eps);
           continue;
         }
         gathered.resize(n);
         for (int64_t f = 0; f < n; ++f) {
           gathered[f] = x[j * xs + f * op.x_feature_stride];
         }
-        fast(gathered.data(), gathered.data(), 1, 0, 0, o, fast_weights, rotation, p.rot_pairs,
-             eps);
+        fast.span(gathered.data(), gathered.data(), 1, 0, 0, o, fast_weights, rotation,
+                  p.rot_pairs, eps);
         for (int64_t f = 0; f < n; ++f) {
           out[j * os + f * op.out_feature_stride] = gathered[f];
         }
@@ -929,14 +929,7 @@ void norm_rotary_kernel(const NormRotaryParams& np, bool backward, at::ScalarTyp
         // Each task takes the same share of every operand's rows: q's and k's cost per row
         // differ (k has fewer heads a token), and a split of the rows in order gave one
         // thread all of k.
-        int64_t moved = 0;  // bytes read and written by the operands normalised out of place
-        for (int o = 0; o < p.num_operands; ++o) {
-          const RotaryOperand& op = p.operands[o];
-          if (op.out != op.x) {
-            moved += 2 * op.rows * op.head_dim * static_cast<int64_t>(sizeof(row_t));
-          }
-        }
-        const bool stream = stream_output(moved);
+        const bool stream = stream_output(p, sizeof(row_t));
         at::parallel_for(0, rows, forward_grain, [&](int64_t begin, int64_t end) {
           int64_t first = 0;
           for (int o = 0; o < p.num_operands; ++o) {

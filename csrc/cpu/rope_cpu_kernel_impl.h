@@ -131,11 +131,12 @@ inline void end_streaming_stores() {
 #endif
 }
 
-// Whether a call should stream its output: out of place, moving (reading and writing) more
-// bytes than the L2 caches of the threads that run it hold. ROPE_EXT_STREAMING_STORES=0
-// never streams (for a consumer that reads the output back from L3 at once); =1 streams
-// every out-of-place call (the tests' way to reach these paths with small tensors).
-inline bool stream_output(int64_t bytes_moved) {
+// Whether a call should stream its output: out of place, its out-of-place operands moving
+// (reading and writing) more bytes than the L2 caches of the threads that run it hold.
+// ROPE_EXT_STREAMING_STORES=0 never streams (for a consumer that reads the output back from
+// L3 at once); =1 streams every out-of-place call (the tests' way to reach these paths with
+// small tensors).
+inline bool stream_output(const RotaryParams& p, int64_t element_bytes) {
   static const int64_t threshold = [] {
     const char* mode = std::getenv("ROPE_EXT_STREAMING_STORES");
     if (mode != nullptr && std::strcmp(mode, "0") == 0) {
@@ -149,11 +150,17 @@ inline bool stream_output(int64_t bytes_moved) {
     const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
     return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;  // L2 bytes a core
   }();
-  if (!kStreamingStores || bytes_moved == 0 ||
-      threshold == std::numeric_limits<int64_t>::max()) {
+  if (!kStreamingStores || threshold == std::numeric_limits<int64_t>::max()) {
     return false;
   }
-  return bytes_moved > at::get_num_threads() * threshold;
+  int64_t bytes_moved = 0;
+  for (int o = 0; o < p.num_operands; ++o) {
+    const RotaryOperand& op = p.operands[o];
+    if (op.out != op.x) {
+      bytes_moved += 2 * op.rows * op.head_dim * element_bytes;
+    }
+  }
+  return bytes_moved > 0 && bytes_moved > at::get_num_threads() * threshold;
 }
 
 // Whether rows from `out` on, `os` elements apart, can take streaming stores.
@@ -820,7 +827,7 @@ using TileFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t,
 // The span and tile functions for a rotary dim of `pairs` pairs, and the bytes a tile cache
 // takes per token: 1..8 full steps, a partial step alone, or 1..4 full steps and an
 // overlapping one (head dims such as 80 or 96); nullptrs for the rest. The streaming-store
-// span and tile functions (stream_output) only for rows of whole steps.
+// span and tile functions (stream_output) only for rows of 1, 2, 4 or 8 whole steps.
 template <typename scalar_t, bool kInterleaved>
 struct RowFunctions {
   SpanFn<scalar_t, kInterleaved> span = nullptr;
@@ -836,7 +843,10 @@ RowFunctions<scalar_t, kInterleaved> row_functions_of() {
       rotate_contiguous_span<scalar_t, kInterleaved, kSteps, kTail, false>,
       rotate_contiguous_tile<scalar_t, kInterleaved, kSteps, kTail, false>,
       static_cast<int64_t>(sizeof(SpanRotation<scalar_t, kInterleaved, kSteps, kTail>))};
-  if constexpr (kStreamingStores && kTail == Tail::kNone) {
+  // Streaming forms for the step counts of head dims 64, 128 and 256 only: every form is
+  // compiled for each dtype and instruction set, and the rest keep the regular stores.
+  if constexpr (kStreamingStores && kTail == Tail::kNone &&
+                (kSteps == 1 || kSteps == 2 || kSteps == 4 || kSteps == 8)) {
     f.span_stream = rotate_contiguous_span<scalar_t, kInterleaved, kSteps, kTail, true>;
     f.tile_stream = rotate_contiguous_tile<scalar_t, kInterleaved, kSteps, kTail, true>;
   }
@@ -1133,14 +1143,7 @@ void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, p.operands[0].head_dim));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_cpu", [&] {
     using row_t = scalar_t;
-    int64_t moved = 0;  // bytes read and written by the operands rotated out of place
-    for (int o = 0; o < p.num_operands; ++o) {
-      const RotaryOperand& op = p.operands[o];
-      if (op.out != op.x) {
-        moved += 2 * op.rows * op.head_dim * static_cast<int64_t>(sizeof(row_t));
-      }
-    }
-    const bool stream = stream_output(moved);
+    const bool stream = stream_output(p, sizeof(row_t));
     AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_cpu_table", [&] {
       using table_t = scalar_t;
       // A task takes the same share of every operand (q's rows [begin, end) * q.rows / rows
