@@ -362,8 +362,9 @@ def _rope_functions(module) -> dict[str, tuple[object, tuple | None]]:
     out = {}
     for name, current in list(vars(module).items()):
         fn = _original(module.__name__, name, current)
+        plain = _plain(fn)
         if (("rotary" in name or "rope" in name) and not name.startswith("_")
-                and inspect.isfunction(_plain(fn)) and _plain(fn).__module__ == module.__name__):
+                and inspect.isfunction(plain) and plain.__module__ == module.__name__):
             out[name] = (fn, known.get(_fingerprint(fn, vars(module))))
     return out
 
