@@ -113,6 +113,7 @@ at::Tensor precompute_freqs_cis(int64_t dim, int64_t end, double theta,
 std::string build_info() {
   std::ostringstream s;
   s << "cpu_kernel=" << cpu_kernel_name() << "\n";
+  s << "cpu_streaming_threshold=" << cpu_streaming_threshold() << "\n";
   s << "torch_cpu_capability=" << at::get_cpu_capability() << "\n";
   s << "cuda=" << (cuda_archs().empty() ? "no" : "yes") << "\n";
   s << "cuda_archs=" << cuda_archs() << "\n";

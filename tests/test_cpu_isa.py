@@ -88,16 +88,16 @@ for interleaved in (True, False):
                                          interleaved=interleaved)
         assert torch.equal(out.isnan(), want.isnan()), ("norm", interleaved)
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2, equal_nan=True)
-# Streaming stores (auto): one thread and q, k of 2M elements each move past any L2 here, so
-# out of place they stream, and must match the in-place results (regular stores) bit for bit.
+# Streaming stores (auto): at one thread, q and k that move (read and write) just more bytes
+# than the threshold build_info reports stream out of place, and must match the in-place
+# results (regular stores) bit for bit.
 torch.set_num_threads(1)
-import subprocess
-l2 = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout
-l2 = int(l2) if l2.strip().isdigit() else 0  # what the kernel reads (sysconf); 0: unknown
-assert 2 * 2 * 2**21 * 2 > max(l2, 2**20), l2  # bf16 q and k, read and written
-table = rope_ext.precompute_freqs_cis(128, 2048)
+threshold = int(rope_ext.build_info()["cpu_streaming_threshold"])
+assert 0 < threshold <= 2**28, threshold
+tokens = threshold // (2 * 2 * 8 * 128 * 2) + 1  # bf16 q, k [1, tokens, 8, 128], read and written
+table = rope_ext.precompute_freqs_cis(128, tokens)
 for dtype in (torch.bfloat16, torch.float32):
-    q, k = torch.randn(1, 2048, 8, 128).to(dtype), torch.randn(1, 2048, 8, 128).to(dtype)
+    q, k = torch.randn(1, tokens, 8, 128).to(dtype), torch.randn(1, tokens, 8, 128).to(dtype)
     for interleaved in (True, False):
         got = rope_ext.apply_rotary_qk(q, k, table, interleaved=interleaved)
         want = [q.clone(), k.clone()]
@@ -188,6 +188,24 @@ def test_streaming_stores_mode_is_checked():
     assert result.returncode != 0
     assert "ROPE_EXT_STREAMING_STORES=yes: expected 0, 1 or auto" in result.stderr
     assert run({"ROPE_EXT_STREAMING_STORES": "0"}, script).returncode == 0
+
+
+def test_streaming_threshold_follows_mode_and_threads():
+    script = ("import torch, rope_ext\n"
+              "for n in (1, 2):\n"
+              "    torch.set_num_threads(n)\n"
+              "    print(rope_ext.build_info()['cpu_streaming_threshold'])")
+    said = {}
+    for mode in ("0", "1", "auto", ""):
+        result = run({"ROPE_EXT_STREAMING_STORES": mode}, script)
+        assert result.returncode == 0, result.stderr
+        said[mode] = [int(v) for v in result.stdout.split()]
+    assert said["0"] == [2**63 - 1] * 2
+    assert said["1"] == [0, 0]
+    assert said[""] == said["auto"]
+    one, two = said["auto"]
+    # max(threads x L2, a shared share): a second thread at most doubles it.
+    assert 0 < one <= two <= 2 * one, said
 
 
 @pytest.mark.parametrize("capability,widest", [("default", "DEFAULT"), ("avx2", "AVX2")])

@@ -14,6 +14,11 @@ namespace rope_ext::cpu {
 // kernel keeps the rotations of one tile.
 constexpr int64_t kTileTokens = 32;
 
+// Out of place, a call whose operands move (read and write) more bytes than this writes its
+// output with streaming stores (rope_cpu.cpp says how it is chosen). It follows the thread
+// count, so it is asked at each call.
+int64_t streaming_threshold();
+
 using RotaryKernel = void (*)(const RotaryParams& p, at::ScalarType x_dtype,
                               at::ScalarType table_dtype);
 // The fused RMSNorm + RoPE kernel (qk_norm_cpu_kernel_impl.h), forward or backward.

@@ -19,8 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include <unistd.h>
-
 #include "rope_cpu_kernel.h"
 
 namespace rope_ext::cpu {
@@ -132,25 +130,11 @@ inline void end_streaming_stores() {
 }
 
 // Whether a call should stream its output: out of place, its out-of-place operands moving
-// (reading and writing) more bytes than the L2 caches of the threads that run it hold.
-// ROPE_EXT_STREAMING_STORES=0 never streams (for a consumer that reads the output back from
-// L3 at once); =1 streams every out-of-place call (the tests' way to reach these paths with
-// small tensors).
+// (reading and writing) more bytes than streaming_threshold() (rope_cpu.cpp: the caches the
+// output would stay in; ROPE_EXT_STREAMING_STORES=0 never, =1 always).
 inline bool stream_output(const RotaryParams& p, int64_t element_bytes) {
-  static const int64_t threshold = [] {
-    const char* mode = std::getenv("ROPE_EXT_STREAMING_STORES");
-    if (mode != nullptr && std::strcmp(mode, "0") == 0) {
-      return std::numeric_limits<int64_t>::max();
-    }
-    if (mode != nullptr && std::strcmp(mode, "1") == 0) {
-      return int64_t{0};
-    }
-    TORCH_CHECK(mode == nullptr || *mode == '\0' || std::strcmp(mode, "auto") == 0,
-                "ROPE_EXT_STREAMING_STORES=", mode, ": expected 0, 1 or auto");
-    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return size > 0 ? static_cast<int64_t>(size) : int64_t{1} << 20;  // L2 bytes a core
-  }();
-  if (!kStreamingStores || threshold == std::numeric_limits<int64_t>::max()) {
+  const int64_t threshold = streaming_threshold();  // checks the mode on every kernel
+  if (!kStreamingStores) {
     return false;
   }
   int64_t bytes_moved = 0;
@@ -160,7 +144,7 @@ inline bool stream_output(const RotaryParams& p, int64_t element_bytes) {
       bytes_moved += 2 * op.rows * op.head_dim * element_bytes;
     }
   }
-  return bytes_moved > 0 && bytes_moved > at::get_num_threads() * threshold;
+  return bytes_moved > 0 && bytes_moved > threshold;
 }
 
 // Whether rows from `out` on, `os` elements apart, can take streaming stores.
