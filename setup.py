@@ -9,6 +9,7 @@ Environment:
 """
 
 import contextlib
+import importlib.util
 import os
 import platform
 import sys
@@ -186,8 +187,20 @@ class BuildExtension(cpp_extension.BuildExtension):
             (folder / BUILT_AGAINST).write_text(torch.__version__ + "\n")
 
 
+def load_toolchain():
+    """rope_ext/_toolchain.py, loaded by path: the package itself needs the built library."""
+    spec = importlib.util.spec_from_file_location("rope_ext_toolchain",
+                                                  ROOT / "rope_ext" / "_toolchain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def extension():
     global WITH_CUDA
+    # Before anything reads CC / CXX: a compiler that links libstdc++ statically makes a
+    # library that crashes in torch's process; _toolchain.choose_compiler picks another.
+    load_toolchain().choose_compiler(log=lambda line: print(line, file=sys.stderr))
     WITH_CUDA = with_cuda = want_cuda()
     # -g0: Python's own CFLAGS carry -g, and debug info for the kernels' template instances
     # made the objects 26x larger and the CPU kernels' compile 1.6x slower (AVX2 kernel:
