@@ -14,9 +14,10 @@ import rope_ext
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]  # -k bfloat16 selects
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (128, 64), (80, 80), (72, 40), (6, 4)])
 @pytest.mark.parametrize("misaligned", [False, True])
@@ -109,7 +110,7 @@ def test_other_stream_and_device_guard():
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("head_dim,rotary_dim",
                          [(128, 128), (128, 64), (256, 256), (80, 80), (72, 40), (6, 4)])
@@ -145,10 +146,12 @@ def test_norm_cuda_agrees_with_emulation(dtype, interleaved, head_dim, rotary_di
         ops._cuda_emulation(0)
     got = [t.cpu() for t in run(*(t.cuda() for t in (base, k, wq, wk, gq, gk, table,
                                                       positions)))]
-    for g, w in zip(got[:4], want[:4]):  # q_out, k_out, dq, dk
-        assert torch.equal(g, w), (g.double() - w.double()).abs().max()
-    for g, w in zip(got[4:], want[4:]):  # dwq, dwk
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    names = ("q_out", "k_out", "dq", "dk", "dwq", "dwk")
+    for name, g, w in zip(names[:4], got[:4], want[:4]):
+        diff = (g.double() - w.double()).abs()
+        assert torch.equal(g, w), f"{name}: {(diff > 0).sum()} differ, by up to {diff.max()}"
+    for name, g, w in zip(names[4:], got[4:], want[4:]):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 def test_norm_cuda_graph_capture():
