@@ -167,7 +167,8 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".md").write_text(table)
         rows = [dict(case=r.case.label(), provider=r.provider, ms=r.seconds * 1e3,
-                     gbps=r.gbps, bytes=r.case.bytes_moved, **{
+                     gbps=r.gbps, bytes=r.case.bytes_moved,
+                     graph_us="" if r.graph_seconds is None else r.graph_seconds * 1e6, **{
                          f: str(getattr(r.case, f)) for f in ("device", "dtype", "seq", "batch")})
                 for r in results]
         with args.out.with_suffix(".csv").open("w", newline="") as f:

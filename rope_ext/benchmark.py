@@ -15,6 +15,7 @@ fwd+bwd row's GB/s counts only those forward bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -539,6 +540,7 @@ class Result:
     provider: str
     seconds: float  # the median round
     rounds: tuple[float, ...] = ()  # seconds per call in each round, in order
+    graph_seconds: float | None = None  # CUDA: a call's time in a replayed CUDA graph
 
     @property
     def gbps(self) -> float:
@@ -562,7 +564,48 @@ def run_case(case: Case, include_compile: bool = True, include_backward: bool = 
     for _ in range(rounds):
         for name, fn in chosen.items():
             times[name].append(time_fn(fn, case.device, min_run_time / rounds))
-    return [Result(case, name, statistics.median(t), tuple(t)) for name, t in times.items()]
+    graphed = {name: graph_time(fn) for name, fn in chosen.items()
+               if case.device == "cuda" and graphable(name)}
+    return [Result(case, name, statistics.median(t), tuple(t), graphed.get(name))
+            for name, t in times.items()]
+
+
+def graphable(provider: str) -> bool:
+    """Providers timed in a CUDA graph too: plain launches (compiled functions and autograd
+    keep their own machinery, and may not capture)."""
+    return not provider.startswith("compiled") and "fwd+bwd" not in provider
+
+
+def graph_time(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float | None:
+    """Seconds per call of fn in a replayed CUDA graph of `calls` calls (median of `replays`
+    replays): the GPU's time without the host's launch cost, which bounds an eager call at a
+    few tens of microseconds whatever the kernel (a decode step's copy_ took 21 us on an H200,
+    launch-bound). None where fn cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+        end = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+        for s, e in zip(start, end):
+            s.record()
+            graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(start, end)) / calls / 1e3
+    except Exception:  # noqa: BLE001 (a provider that cannot be captured gets no graph time)
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        return None
 
 
 def paired_ratio(num: Result, den: Result) -> float:
@@ -593,6 +636,14 @@ def target_ratios(results: list[Result]) -> list[dict]:
                                                ratio >= target)
             rows.append(dict(case=label, ratio=what, value=ratio,
                              target=None if target is None else f"{cmp} {target:g}", met=met))
+            graphs = by[num].graph_seconds, by[den].graph_seconds
+            if None not in graphs:  # the GPU's own times, without the host's launch cost
+                ratio = graphs[0] / graphs[1]
+                met = None if target is None else (ratio <= target if cmp == "<=" else
+                                                   ratio >= target)
+                rows.append(dict(case=label, ratio=what + " (CUDA graph)", value=ratio,
+                                 target=None if target is None else f"{cmp} {target:g}",
+                                 met=met))
     return rows
 
 
@@ -606,12 +657,19 @@ def markdown_table(results: list[Result]) -> str:
         by = {r.provider: r for r in rows}
         copy = by.get("copy_ (bound, in-place)")
         clone = by.get("clone (bound, out-of-place)")
+        graphed = any(r.graph_seconds is not None for r in rows)
         lines += [f"**{label}**", "",
-                  "| provider | ms | GB/s | time / copy_ | time / clone |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| provider | ms | GB/s | time / copy_ | time / clone |"
+                  + (" GPU us, CUDA graph | graph time / copy_'s |" if graphed else ""),
+                  "|---|---:|---:|---:|---:|" + ("---:|---:|" if graphed else "")]
         for r in rows:
-            lines.append(f"| {r.provider} | {r.seconds * 1e3:.3f} | {r.gbps:.1f} | "
-                         f"{paired_ratio(r, copy):.2f} | {paired_ratio(r, clone):.2f} |")
+            line = (f"| {r.provider} | {r.seconds * 1e3:.3f} | {r.gbps:.1f} | "
+                    f"{paired_ratio(r, copy):.2f} | {paired_ratio(r, clone):.2f} |")
+            if graphed:
+                g, bound = r.graph_seconds, copy.graph_seconds if copy else None
+                line += (f" {g * 1e6:.1f} |" if g is not None else " - |")
+                line += (f" {g / bound:.2f} |" if g is not None and bound else " - |")
+            lines.append(line)
         lines.append("")
         mine = [t for t in targets if t["case"] == label]
         if mine:

@@ -52,3 +52,41 @@ def test_target_ratios_are_paired_and_judged():
                                      + [result("copy_ (bound, in-place)", [1.0] * 5),
                                         result("clone (bound, out-of-place)", [1.0] * 5)])
     assert "| fused in-place / RoPE alone in-place | 1.20 | <= 1.25 | yes |" in table
+
+
+def test_cuda_graph_times_get_their_own_columns_and_target_rows():
+    """On a GPU each plain provider is also timed in a replayed CUDA graph: eager calls of a
+    small shape are bound by the host's launch cost (an H200 decode step: copy_ 21 us, every
+    rope_ext row about as much), so the 1.1x fused-norm target is judged on graph times too."""
+    gpu = Case(1, 16, 2, 1, 64, torch.bfloat16, "cuda", qk_norm=True, name="g")
+    timed = {  # provider: (eager seconds, graph seconds)
+        "copy_ (bound, in-place)": (20e-6, 4e-6),
+        "clone (bound, out-of-place)": (24e-6, 5e-6),
+        benchmark.ROPE_INPLACE: (16e-6, 5e-6),
+        benchmark.FUSED_INPLACE: (19e-6, 5.25e-6),
+        "compiled rotate_half (HF)": (30e-6, None),
+    }
+    results = [Result(gpu, name, eager, (eager,) * 3, graph)
+               for name, (eager, graph) in timed.items()]
+    rows = [r for r in benchmark.target_ratios(results)
+            if r["ratio"].startswith("fused in-place / RoPE alone in-place")]
+    assert [(r["ratio"].endswith("(CUDA graph)"), round(r["value"], 4), r["met"]) for r in rows] \
+        == [(False, 1.1875, False), (True, 1.05, True)]
+    table = benchmark.markdown_table(results)
+    assert "| GPU us, CUDA graph | graph time / copy_'s |" in table
+    assert "| copy_ (bound, in-place) | 0.020 |" in table and "| 4.0 | 1.00 |" in table
+    assert f"| {benchmark.FUSED_INPLACE} | 0.019 |" in table and "| 5.2 | 1.31 |" in table
+    assert "| compiled rotate_half (HF) | 0.030 |" in table and table.count("| - | - |") == 1
+    # CPU tables keep their five columns.
+    assert "CUDA graph" not in benchmark.markdown_table(
+        [result("copy_ (bound, in-place)", [1.0] * 3),
+         result("clone (bound, out-of-place)", [1.0] * 3), result(benchmark.FUSED, [1.0] * 3)])
+
+
+def test_graph_timing_is_skipped_where_it_cannot_capture():
+    assert not benchmark.graphable("compiled rotate_half (HF)")
+    assert not benchmark.graphable("rope_ext fused fwd+bwd")
+    assert benchmark.graphable("rope_ext in-place")
+    assert benchmark.graphable("clone (bound, out-of-place)")
+    if not torch.cuda.is_available():  # no stream to capture on: no graph time, no error
+        assert benchmark.graph_time(lambda: None) is None
