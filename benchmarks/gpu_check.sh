@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for a fresh GPU host: build rope_ext for this GPU, run the CUDA tests, the GPU
 # benchmarks (rotary and fused RMSNorm + RoPE) and (when present) compute-sanitizer memcheck
-# over a small test. Results go to $OUT (default ./gpu_results): build.log, tests.log,
-# bench*.md/.csv/.json/.png, emulation_gdb.log, memcheck.log.
+# over a small test. Results go to $OUT (default ./gpu_results): summary.txt, build.log,
+# tests.log (tests_full.log whole), bench*.md/.csv/.json/.png, emulation_gdb.log, memcheck.log,
+# and all of them in one gpu_results.tgz (a lent device machine returns 8 files at most).
 # Sized to finish within 8 minutes on one H200 (each stage has its own timeout).
 #
 #   bash benchmarks/gpu_check.sh
@@ -21,6 +22,8 @@ if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then  # just this GPU's arch: a faster bu
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/summary.txt"
+{ lscpu | grep -m1 "Model name"; echo "CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1)"; } |
+  tee -a "$OUT/summary.txt"
 
 say "build (archs $TORCH_CUDA_ARCH_LIST)"
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 ||
@@ -43,9 +46,12 @@ if python -c "import pytest, hypothesis, mpmath" 2>/dev/null; then
     tests/test_compile.py tests/test_properties.py tests/test_qk_norm.py -k "cuda or test_build" \
     > "$OUT/tests_full.log" 2>&1 || status=1
   tail -40 "$OUT/tests_full.log" | tee "$OUT/tests.log"
-  # The host emulation once crashed on a device image (g++ 13): where, if it does again.
-  if command -v gdb > /dev/null; then
-    timeout 120 gdb -q -batch -ex run -ex bt --args python -m pytest -q -x -p no:cacheprovider \
+  # Where an emulation case failed or a worker died: a backtrace. (On the H200 image the
+  # emulation crashed while the extension carried a static libstdc++, which setup.py now
+  # refuses.) cuda-gdb where there is no gdb: it debugs host code too.
+  gdb=$(command -v gdb || command -v cuda-gdb || echo "$CUDA_HOME/bin/cuda-gdb")
+  if [ -x "$gdb" ] && grep -q "emulation.*FAILED\|FAILED.*emulation\|node down" "$OUT/tests_full.log"; then
+    timeout 120 "$gdb" -q -batch -ex run -ex bt --args python -m pytest -q -x -p no:cacheprovider \
       tests/test_cuda.py -k emulation > "$OUT/emulation_gdb.log" 2>&1
     grep -E "passed|failed|SIGSEGV|^#[0-9]" "$OUT/emulation_gdb.log" | head -30 | tee -a "$OUT/summary.txt"
   fi
@@ -73,4 +79,5 @@ say "GPU benchmark: prefill sweep (the plot)"
 timeout 90 python benchmarks/bench_rope.py --device cuda --suite prefill --dtypes bfloat16 \
   --no-compile --out "$OUT/bench_prefill" > /dev/null 2>&1
 say "done, status $status"
+tar czf /tmp/gpu_results.tgz -C "$OUT" --exclude=gpu_results.tgz . && mv /tmp/gpu_results.tgz "$OUT/"
 exit $status
