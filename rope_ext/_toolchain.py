@@ -98,16 +98,18 @@ def choose_compiler(environ: dict[str, str] | None = None, log=None,
     """Makes the build link against the shared libstdc++ (see the module's docstring).
 
     Where $CXX (or the default c++) links its own libstdc++ into shared libraries, the first
-    of the candidates (g++ and c++ on PATH, /usr/bin/g++, /usr/bin/c++) that does not is put in CXX,
-    CUDAHOSTCXX and (for the link and nvcc's -ccbin) CC, and a line says so; where none
-    qualifies the build stops with what to set. Linux only; elsewhere nothing is checked."""
+    of the candidates (g++ and c++ on PATH, /usr/bin/g++, /usr/bin/c++) that does not is put
+    in CXX, CUDAHOSTCXX and (for the link and nvcc's -ccbin) CC, and a line says so; where
+    none qualifies the build stops with what to set. Linux only; elsewhere nothing is
+    checked."""
     env = os.environ if environ is None else environ
     if not sys.platform.startswith("linux"):
         return
     configured = env.get("CXX") or "c++"
-    if links_own_libstdcxx(shlex.split(configured)) is not True:
+    command = shlex.split(configured)
+    if links_own_libstdcxx(command) is not True:
         return
-    seen = {os.path.realpath(shutil.which(shlex.split(configured)[0]) or configured)}
+    seen = {os.path.realpath(shutil.which(command[0]) or command[0])}
     for name in candidates:
         path = shutil.which(name, path=env.get("PATH"))
         if path is None or os.path.realpath(path) in seen:

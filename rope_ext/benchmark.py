@@ -631,19 +631,17 @@ def target_ratios(results: list[Result]) -> list[dict]:
         for what, num, den, cmp, target, only_on in QK_NORM_TARGETS:
             if num not in by or den not in by or only_on not in (None, device):
                 continue
-            ratio = paired_ratio(by[num], by[den])
-            met = None if target is None else (ratio <= target if cmp == "<=" else
-                                               ratio >= target)
-            rows.append(dict(case=label, ratio=what, value=ratio,
-                             target=None if target is None else f"{cmp} {target:g}", met=met))
-            graphs = by[num].graph_seconds, by[den].graph_seconds
-            if None not in graphs:  # the GPU's own times, without the host's launch cost
-                ratio = graphs[0] / graphs[1]
+
+            def judged(name: str, ratio: float) -> dict:
                 met = None if target is None else (ratio <= target if cmp == "<=" else
                                                    ratio >= target)
-                rows.append(dict(case=label, ratio=what + " (CUDA graph)", value=ratio,
-                                 target=None if target is None else f"{cmp} {target:g}",
-                                 met=met))
+                return dict(case=label, ratio=name, value=ratio,
+                            target=None if target is None else f"{cmp} {target:g}", met=met)
+
+            rows.append(judged(what, paired_ratio(by[num], by[den])))
+            graphs = by[num].graph_seconds, by[den].graph_seconds
+            if None not in graphs:  # the GPU's own times, without the host's launch cost
+                rows.append(judged(what + " (CUDA graph)", graphs[0] / graphs[1]))
     return rows
 
 
