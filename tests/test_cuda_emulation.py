@@ -54,6 +54,8 @@ def make_case(layout, dtype, head_dim, gen):
         return randn(5, 1, 8, D), randn(5, 1, 2, D), dict(positions=randint(5, 1, 1))
     if layout == "offset":
         return randn(1, 3, 4, D), randn(1, 3, 4, D), dict(offset=P - 3)
+    if layout == "decode_offset":  # one position for every row: batch and heads merge
+        return randn(5, 1, 8, D), randn(5, 1, 2, D), dict(offset=P - 1)
     if layout == "positions_per_head":
         return randn(2, 3, 4, D), randn(2, 3, 4, D), dict(positions=randint(2, 3, 4))
     if layout == "fused_qkv":  # q and k are views into one projection output
@@ -86,7 +88,7 @@ def make_case(layout, dtype, head_dim, gen):
     raise ValueError(layout)
 
 
-LAYOUTS = ["bshd", "bhsd", "positions_int32", "packed", "decode", "offset",
+LAYOUTS = ["bshd", "bhsd", "positions_int32", "packed", "decode", "decode_offset", "offset",
            "positions_per_head", "fused_qkv", "misaligned", "strided_features", "many_heads",
            "empty", "bsd", "positions_offset", "bhsd_positions", "expanded_positions",
            "different_ranks"]
@@ -259,14 +261,22 @@ def test_wide_rows_take_the_scalar_path():
 
 
 def test_decode_spreads_heads_over_threads():
-    """Few tokens: the fewest rows per thread a block allows (32 heads of 16 lanes in 256
-    threads: 2), so the launch has as many threads as it can."""
+    """Too few rows to fill the GPU (decode): a row per thread, so the launch has as many
+    threads as it can. A token's heads beyond one block's groups (256 threads / 16 lanes)
+    are split into tokens of 16 heads at the same position."""
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(64, 1, 32, 128, generator=gen).bfloat16()
     k = torch.randn(64, 1, 8, 128, generator=gen).bfloat16()
     table = rope_ext.precompute_freqs_cis(128, P)
     launches = check("qk_", q, k, table, dict(positions=torch.full((64, 1, 1), 7)), True)
-    assert re.search(r"op0=\(heads=32 tokens=64 .* rows_per_thread=2", launches[0]), launches[0]
+    assert re.search(r"op0=\(heads=16 tokens=128 .* rows_per_thread=1 .* "
+                     r"op1=\(heads=8 tokens=64 .* rows_per_thread=1", launches[0]), launches[0]
+    # Decode at an offset, no positions: every row has one position, so batch and heads merge
+    # into one head dim (64 * 32 rows of q). Its heads are split into tokens of 16 (one block's
+    # groups), a row per thread: 160 blocks, where one token of 2048 heads was one block.
+    launches = check("qk_", q, k, table, dict(offset=P - 1), True)
+    assert re.search(r"blocks=160 .* op0=\(heads=16 tokens=128 .* rows_per_thread=1 .* "
+                     r"op1=\(heads=16 tokens=32 .* rows_per_thread=1", launches[0]), launches[0]
     # Prefill: enough rows for every resident thread, so four heads per thread.
     q = torch.randn(1, 2048, 32, 128, generator=gen).bfloat16()
     k = torch.randn(1, 2048, 8, 128, generator=gen).bfloat16()

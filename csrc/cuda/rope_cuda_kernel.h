@@ -527,6 +527,22 @@ inline void split_heads(const RotaryOperand& op, OperandPlan& pl) {
   pl.tokens = pl.heads > 0 ? op.rows / pl.heads : 0;
 }
 
+// Splits pl's head dim, where it has more than most_heads heads, into an inner head dim of h
+// heads (the largest divisor of heads up to most_heads) and an outer token dim of heads / h
+// "tokens" of the same position (positions stride 0). split_heads() left a place for it.
+inline void split_head_dim(OperandPlan& pl, int64_t most_heads) {
+  if (pl.heads <= most_heads) return;
+  int64_t h = most_heads;
+  while (pl.heads % h != 0) --h;
+  pl.sizes[pl.ndim] = pl.heads / h;
+  pl.x_strides[pl.ndim] = h * pl.head_x_stride;
+  pl.out_strides[pl.ndim] = h * pl.head_out_stride;
+  pl.pos_strides[pl.ndim] = 0;
+  ++pl.ndim;
+  pl.tokens *= pl.heads / h;
+  pl.heads = h;
+}
+
 // The plan of a rotary launch on a GPU with sm_count SMs, each holding blocks_per_sm blocks of
 // the kernel at once (the occupancy API's answer).
 inline LaunchPlan plan_rotary(const RotaryParams& p, size_t elem, size_t table_elem,
@@ -566,6 +582,17 @@ inline LaunchPlan plan_rotary(const RotaryParams& p, size_t elem, size_t table_e
   }
   const int64_t resident = sm_count * blocks_per_sm * kThreads;
   int64_t rows_per_thread = fewest_rows;
+  // Too few rows to fill the GPU at that many per thread (decode without positions: every
+  // row has the one position, so batch and heads merge into one head dim of B * H rows):
+  // fewer rows per thread, the head dim split into blocks' worth of heads.
+  while (rows_per_thread > 1 && threads_for(rows_per_thread) < resident) {
+    rows_per_thread /= 2;
+  }
+  if (rows_per_thread < fewest_rows) {
+    for (int o = 0; o < p.num_operands; ++o) {
+      split_head_dim(kp.op[o], std::max<int64_t>(1, kThreads / kp.lane_threads) * rows_per_thread);
+    }
+  }
   while (rows_per_thread < kBatch && threads_for(2 * rows_per_thread) >= resident) {
     rows_per_thread *= 2;
   }
