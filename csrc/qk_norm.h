@@ -22,10 +22,22 @@ struct NormRotaryParams {
   double eps;
   double weight_offset;   // the scale is weight + weight_offset (Gemma's (1 + w): 1)
   // Backward: the forward's input rows, at operand o's x strides (the op lays them out so),
-  // and the weight gradients [head_dim], contiguous, float (double for double rows).
+  // and the weight gradients [head_dim], contiguous, of the weight's dtype: the backend
+  // writes every element, the sum over rows in opmath rounded once (store_weight_grad()).
   const void* input[2];
   void* weight_grad[2];
 };
+
+// Element j of operand o's weight gradient: v (the opmath sum) rounded once to the weight's
+// dtype, float32 or the rows' scalar_t, as torch's .to() rounds it.
+template <typename scalar_t, typename opmath>
+ROPE_HD void store_weight_grad(const NormRotaryParams& p, int o, int64_t j, opmath v) {
+  if (p.weight_float[o]) {
+    static_cast<float*>(p.weight_grad[o])[j] = static_cast<float>(v);
+  } else {
+    static_cast<scalar_t*>(p.weight_grad[o])[j] = static_cast<scalar_t>(v);
+  }
+}
 
 ROPE_HD float rope_sqrt(float v) { return sqrtf(v); }
 ROPE_HD double rope_sqrt(double v) { return sqrt(v); }

@@ -5,7 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 
 #include <optional>
 #include <tuple>
@@ -65,7 +65,10 @@ inline void norm_launch(const NormBackend& n, const char* op,
     const int before = p.rotary.num_operands;
     add_operand(op, p.rotary, o.x, o.out, positions, seq_dim);
     if (p.rotary.num_operands == before) {
-      continue;  // no rows
+      if (backward) {
+        o.weight_grad->zero_();  // no rows: the backend never sees this operand
+      }
+      continue;
     }
     p.weight[before] = o.weight.data_ptr();
     p.weight_stride[before] = o.weight.stride(0);
@@ -176,18 +179,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rms_norm_rotary_qk_ba
   const auto [gk, xk] = same_layout(grad_k, k);
   at::Tensor dq = at::empty_like(xq);
   at::Tensor dk = at::empty_like(xk);
-  // Summed in float32 (float64 for float64 rows), rounded once to the weight's dtype.
-  auto accumulator = [](const at::Tensor& x, const at::Tensor& w) {
-    return at::zeros({w.size(0)}, w.options().dtype(x.scalar_type() == at::kDouble
-                                                        ? at::kDouble
-                                                        : at::kFloat));
-  };
-  at::Tensor dwq = accumulator(q, q_weight);
-  at::Tensor dwk = accumulator(k, k_weight);
+  // Summed in float32 (float64 for float64 rows) and rounded once to the weight's dtype by
+  // the backend, which writes every element (no fill, no conversion afterwards: each would
+  // be a kernel launch, and a decode-sized backward is all launches).
+  at::Tensor dwq = at::empty({q_weight.size(0)}, q_weight.options());
+  at::Tensor dwk = at::empty({k_weight.size(0)}, k_weight.options());
   detail::norm_launch_qk(N, op, {gq, dq, q_weight, &xq, &dwq}, {gk, dk, k_weight, &xk, &dwk},
                          freqs_cis, positions, off, sd, interleaved, eps, weight_offset,
                          mrope_section, mrope_interleaved, /*backward=*/true);
-  return {dq, dk, dwq.to(q_weight.scalar_type()), dwk.to(k_weight.scalar_type())};
+  return {dq, dk, dwq, dwk};
 }
 
 }  // namespace rope_ext

@@ -971,11 +971,12 @@ void norm_rotary_kernel(const NormRotaryParams& np, bool backward, at::ScalarTyp
         }
       });
       for (int o = 0; o < p.num_operands; ++o) {
-        auto* out = static_cast<opmath*>(np.weight_grad[o]);
         for (int64_t j = 0; j < p.operands[o].head_dim; ++j) {
+          opmath sum = 0;
           for (int64_t c = 0; c < chunks; ++c) {
-            out[j] += partial[2 * c + o].data()[j];
+            sum += partial[2 * c + o].data()[j];
           }
+          store_weight_grad<row_t, opmath>(np, o, j, sum);
         }
       }
     });

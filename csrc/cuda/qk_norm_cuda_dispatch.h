@@ -89,25 +89,31 @@ inline void make_norm_vector_inputs(NormLaunchPlan& plan, at::ScalarType x_dtype
   }
 }
 
-// Backward: a zeroed partial weight-gradient buffer [groups, head_dim] per operand (opmath),
-// pointed to by plan.k.partial; keep the tensors alive until the launch completes on its
-// stream (the caching allocator's stream semantics see to that when they go out of scope).
-inline void make_norm_partials(NormLaunchPlan& plan, at::ScalarType x_dtype, c10::Device device,
-                               at::Tensor (&partials)[2]) {
+// Backward: one zeroed partial weight-gradient buffer [operands, groups, head_dim] (opmath;
+// q and k share head_dim), operand o's rows pointed to by plan.k.partial[o]. Keep it alive
+// until the launch completes on its stream (the caching allocator's stream semantics see to
+// that when it goes out of scope). One buffer: one fill, and one reduction below.
+inline at::Tensor make_norm_partials(NormLaunchPlan& plan, at::ScalarType x_dtype,
+                                     c10::Device device) {
   const RotaryParams& p = plan.k.n.rotary;
   const auto opmath = x_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor partials = at::zeros({p.num_operands, plan.k.groups, p.operands[0].head_dim},
+                                  at::TensorOptions().dtype(opmath).device(device));
   for (int o = 0; o < p.num_operands; ++o) {
-    partials[o] = at::zeros({plan.k.groups, p.operands[o].head_dim},
-                            at::TensorOptions().dtype(opmath).device(device));
     plan.k.partial[o] = partials[o].data_ptr();
   }
+  return partials;
 }
 
-// Adds the partials, summed over groups, into the op's weight gradients.
-inline void add_norm_partials(const NormRotaryParams& n, const at::Tensor (&partials)[2]) {
+// Writes the op's weight gradients (NormRotaryParams::weight_grad): the partials summed over
+// groups, in opmath, each copied (rounded once) into its weight's dtype.
+inline void write_norm_weight_grads(const NormRotaryParams& n, at::ScalarType x_dtype,
+                                    const at::Tensor& partials) {
+  const at::Tensor sums = partials.sum(1);
   for (int o = 0; o < n.rotary.num_operands; ++o) {
-    at::from_blob(n.weight_grad[o], {partials[o].size(1)}, partials[o].options())
-        .add_(partials[o].sum(0));
+    const auto dtype = n.weight_float[o] ? at::kFloat : x_dtype;
+    at::from_blob(n.weight_grad[o], {sums.size(1)}, sums.options().dtype(dtype))
+        .copy_(sums[o]);
   }
 }
 

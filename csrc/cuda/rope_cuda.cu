@@ -166,19 +166,18 @@ struct LaunchNorm {
     cuda_kernel::NormLaunchPlan plan =
         cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble, kBackward,
                                sm_count(index), blocks_per_sm(index));
-    at::Tensor partials[2], vector_inputs[3];
+    constexpr auto x_dtype = c10::CppTypeToScalarType<scalar_t>::value;
+    at::Tensor partials, vector_inputs[3];
     if (kVector) {
-      cuda_kernel::make_norm_vector_inputs(plan, c10::CppTypeToScalarType<scalar_t>::value,
-                                           table_dtype, device, vector_inputs);
+      cuda_kernel::make_norm_vector_inputs(plan, x_dtype, table_dtype, device, vector_inputs);
     }
     if (kBackward) {
-      cuda_kernel::make_norm_partials(plan, c10::CppTypeToScalarType<scalar_t>::value, device,
-                                      partials);
+      partials = cuda_kernel::make_norm_partials(plan, x_dtype, device);
     }
     kernel<<<plan.grid, kThreads, 0, c10::cuda::getCurrentCUDAStream(index)>>>(plan.k);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (kBackward) {
-      cuda_kernel::add_norm_partials(p, partials);
+      cuda_kernel::write_norm_weight_grads(p, x_dtype, partials);
     }
   }
 };

@@ -315,14 +315,14 @@ struct EmulateNorm {
         cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble, kBackward,
                                g_sm_count.load(), g_blocks_per_sm.load());
     TORCH_INTERNAL_ASSERT(plan.vector == kVector);
-    at::Tensor partials[2], vector_inputs[3];
+    constexpr auto x_dtype = c10::CppTypeToScalarType<scalar_t>::value;
+    at::Tensor partials, vector_inputs[3];
     if (kVector) {
-      cuda_kernel::make_norm_vector_inputs(plan, c10::CppTypeToScalarType<scalar_t>::value,
-                                           table_dtype, c10::Device(c10::kCPU), vector_inputs);
+      cuda_kernel::make_norm_vector_inputs(plan, x_dtype, table_dtype, c10::Device(c10::kCPU),
+                                           vector_inputs);
     }
     if (kBackward) {
-      cuda_kernel::make_norm_partials(plan, c10::CppTypeToScalarType<scalar_t>::value,
-                                      c10::Device(c10::kCPU), partials);
+      partials = cuda_kernel::make_norm_partials(plan, x_dtype, c10::Device(c10::kCPU));
     }
     const cuda_kernel::NormKernelParams& k = plan.k;
     CheckedMem mem;
@@ -361,7 +361,7 @@ struct EmulateNorm {
     }
     mem.check_all_written();
     if (kBackward) {
-      cuda_kernel::add_norm_partials(p, partials);
+      cuda_kernel::write_norm_weight_grads(p, x_dtype, partials);
     }
     std::ostringstream s;
     s << "norm vector=" << kVector << " interleaved=" << kInterleaved
