@@ -571,9 +571,11 @@ def run_case(case: Case, include_compile: bool = True, include_backward: bool = 
 
 
 def graphable(provider: str) -> bool:
-    """Providers timed in a CUDA graph too: plain launches (compiled functions and autograd
-    keep their own machinery, and may not capture)."""
-    return not provider.startswith("compiled") and "fwd+bwd" not in provider
+    """Providers timed in a CUDA graph too: eager calls, forward and backward (autograd's
+    backward captures as torch.cuda.make_graphed_callables captures it); not compiled
+    functions, which keep their own machinery (and graphs, in reduce-overhead mode). A
+    provider whose capture fails anyway gets no graph time."""
+    return not provider.startswith("compiled")
 
 
 def graph_time(fn: Callable[[], object], calls: int = 10, replays: int = 20) -> float | None:
