@@ -9,10 +9,10 @@
 //   loads its part, keeps it in registers (vector path), sums its squares; the group adds the
 //   partial sums with an xor butterfly; then each thread scales, rotates and stores its part.
 // - A group takes an "item" per iteration: norm_rows() heads of one token (split_heads(), as
-//   the rotary kernels split rows), so that a thread keeps 128 bytes of loads in flight (64
-//   in backward; see norm_rows()), and the heads share the token's position and (cos, sin).
-//   An item's offsets cost one division, plus one per inner token dim (32-bit where the
-//   values fit); its rows are a head stride apart, with no division per row.
+//   the rotary kernels split rows), so that a thread keeps 64 bytes of loads in flight as the
+//   rotary kernels do, and the heads share the token's position and (cos, sin). An item's
+//   offsets cost one division, plus one per inner token dim (32-bit where the values fit);
+//   its rows are a head stride apart, with no division per row.
 // - A row's work is split in two stages, load() and finish(), around the butterfly: on the
 //   device the kernel calls them with __shfl_xor_sync between them; the host emulation runs
 //   load() for all 32 lanes of a warp, adds the sums in the same butterfly order
@@ -51,18 +51,13 @@ ROPE_HD constexpr int norm_max_slots(size_t elem) {
   return elem == 2 ? 1 : 2;
 }
 // Rows (heads of one token) a group takes per iteration: on the vector path as many as make
-// 128 bytes of loads per thread in forward (8 chunks of x) and 64 in backward (4 chunks of x
-// and 4 of the gradient), at least one; one on the scalar path (it reads its rows again in
-// finish()) and with MRoPE (a table row per pair: the registers are short). The rotary
-// kernels keep 64 bytes in flight at 3 blocks per SM; a norm thread has loads in flight only
-// until its rows' sums are known (the butterfly and the stores come after), and its kernels
-// hold 2 blocks per SM (128 registers), so forward doubles the bytes: the H200 ran the fused
-// forward at 64 bytes 1.8x slower than RoPE alone (16.4 against 9.1 us, CUDA graph).
+// 64 bytes of loads per thread (4 chunks of x, and of the gradient in backward, as the rotary
+// kernels keep in flight), at least one; one on the scalar path (it reads its rows again in
+// finish()) and with MRoPE (a table row per pair: the registers are short).
 ROPE_HD constexpr int norm_rows(size_t elem, bool interleaved, bool vector, bool backward,
                                 bool mrope) {
   const int chunks = (interleaved ? 1 : 2) * norm_max_slots(elem) * (backward ? 2 : 1);
-  const int target = backward ? 4 : 8;
-  return vector && !mrope && chunks < target ? target / chunks : 1;
+  return vector && !mrope && chunks < 4 ? 4 / chunks : 1;
 }
 constexpr int kNormScalarSpan = 8; // features per thread the scalar path aims for
 // Blocks per SM the norm kernels are built for (launch bounds): at most 128 registers.
