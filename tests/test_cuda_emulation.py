@@ -261,9 +261,10 @@ def test_wide_rows_take_the_scalar_path():
 
 
 def test_decode_spreads_heads_over_threads():
-    """Too few rows to fill the GPU (decode): a row per thread, so the launch has as many
-    threads as it can. A token's heads beyond one block's groups (256 threads / 16 lanes)
-    are split into tokens of 16 heads at the same position."""
+    """Too few rows to fill the GPU (decode): fewer rows per thread, down to one, while the
+    threads fit in the resident ones, so the launch has as many threads as one wave holds. A
+    token's heads beyond one block's groups (256 threads / 16 lanes) are split into tokens of
+    16 heads at the same position."""
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(64, 1, 32, 128, generator=gen).bfloat16()
     k = torch.randn(64, 1, 8, 128, generator=gen).bfloat16()
@@ -277,6 +278,11 @@ def test_decode_spreads_heads_over_threads():
     launches = check("qk_", q, k, table, dict(offset=P - 1), True)
     assert re.search(r"blocks=160 .* op0=\(heads=16 tokens=128 .* rows_per_thread=1 .* "
                      r"op1=\(heads=16 tokens=32 .* rows_per_thread=1", launches[0]), launches[0]
+    # 128 tokens: a row per thread would take 131072 threads, over the H200's 101376
+    # resident, so two heads per thread and no split (one wave).
+    q = torch.randn(1, 128, 32, 128, generator=gen).bfloat16()
+    launches = check("qk_", q, q.clone(), rope_ext.precompute_freqs_cis(128, 128), {}, True)
+    assert re.search(r"op0=\(heads=32 tokens=128 .* rows_per_thread=2", launches[0]), launches[0]
     # Prefill: enough rows for every resident thread, so four heads per thread.
     q = torch.randn(1, 2048, 32, 128, generator=gen).bfloat16()
     k = torch.randn(1, 2048, 8, 128, generator=gen).bfloat16()
