@@ -127,6 +127,9 @@ class NormRowThread {
   static constexpr int kTableVecs = kPairs * 2 * sizeof(opmath) / kChunkBytes;
   // A chunk's weights as 16-byte vectors: float32 weights of 16-bit x take two.
   static constexpr int kWeightVecs = sizeof(scalar_t) == 2 ? 2 : 1;
+  // Forward holds the weights as opmath scale values, backward as 16-byte vectors (see
+  // load_weights()).
+  static constexpr bool kWeightValues = !kBackward;
 
   ROPE_HD NormRowThread(const NormKernelParams& kp, int64_t block, int32_t thread) {
     const int64_t global = block * kThreads + thread;
@@ -434,20 +437,37 @@ class NormRowThread {
     }
   }
 
-  // Vector path: the weights of each slot's lane as 16-byte vectors.
+  // Vector path: the weights of each slot's lane, read as 16-byte vectors once per operand.
+  // Forward holds them as scale values (weight + weight_offset, in opmath), so that a row's
+  // elements take a ready value: the weight's dtype, its conversion and the offset cost
+  // instructions per element and row otherwise, and the forward kernel is short of issue
+  // slots, not of bytes in flight (on the H200, 128 bytes per thread ran no faster than 64).
+  // Backward keeps the vectors (its registers are short: values spilled in float32).
   template <typename Mem>
   ROPE_HD void load_weights(const NormKernelParams& kp, Mem& mem) {
     const bool wide = sizeof(scalar_t) == 2 && kp.n.weight_float[o_];
+    const opmath offset = static_cast<opmath>(kp.n.weight_offset);
     for_each_chunk(kp, [&](int s, int32_t lane, int c) {
       const int64_t f = chunk_feature(kp, lane, c);
+      Bits128 b[kWeightVecs];
       if (wide) {
         const float* w = static_cast<const float*>(kp.n.weight[o_]) + f;
 #pragma unroll
         for (int v = 0; v < kWeightVecs; ++v) {
-          w_[s][c][v] = mem.load128(w + v * (kChunkBytes / sizeof(float)));
+          b[v] = mem.load128(w + v * (kChunkBytes / sizeof(float)));
         }
       } else {
-        w_[s][c][0] = mem.load128(static_cast<const scalar_t*>(kp.n.weight[o_]) + f);
+        b[0] = mem.load128(static_cast<const scalar_t*>(kp.n.weight[o_]) + f);
+      }
+      if constexpr (kWeightValues) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          w_[s][c][e] = (wide ? static_cast<opmath>(Packed<float>::get(b[e / 4], e % 4))
+                              : Io::get(b[0], e)) + offset;
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < kWeightVecs; ++v) w_raw_[s][c][v] = b[v];
       }
     });
   }
@@ -487,16 +507,23 @@ class NormRowThread {
       c = Packed<opmath>::get(cs_[s][2 * i / kPer], 2 * i % kPer);
       sn = Packed<opmath>::get(cs_[s][2 * i / kPer], 2 * i % kPer + 1);
     }
-    if (kp.n.rotary.inverse) sn = -sn;
+    // Backward rotates back (norm_launch sets rotary.inverse exactly when it launches the
+    // backward): a compile-time negation, which folds into the rotation's multiplies, where a
+    // runtime flag cost a select per pair and row.
+    if constexpr (kBackward) sn = -sn;
   }
   ROPE_HD opmath lane_weight(const NormKernelParams& kp, int s, int c, int e) const {
-    opmath w;
-    if (sizeof(scalar_t) == 2 && kp.n.weight_float[o_]) {
-      w = Packed<float>::get(w_[s][c][e / 4], e % 4);
+    if constexpr (kWeightValues) {
+      return w_[s][c][e];
     } else {
-      w = Io::get(w_[s][c][0], e);
+      opmath w;
+      if (sizeof(scalar_t) == 2 && kp.n.weight_float[o_]) {
+        w = Packed<float>::get(w_raw_[s][c][e / 4], e % 4);
+      } else {
+        w = Io::get(w_raw_[s][c][0], e);
+      }
+      return w + static_cast<opmath>(kp.n.weight_offset);
     }
-    return w + static_cast<opmath>(kp.n.weight_offset);
   }
 
   // Scalar path: (cos, sin) of pair `pair` of the row, negated sine for the inverse
@@ -521,7 +548,7 @@ class NormRowThread {
       c = static_cast<opmath>(mem.load(e));
       s = static_cast<opmath>(mem.load(e + p.table_cs_stride));
     }
-    if (p.inverse) s = -s;
+    if constexpr (kBackward) s = -s;  // as lane_rotation()
   }
 
   // Scalar path: the scale weight + weight_offset of feature f.
@@ -605,7 +632,9 @@ class NormRowThread {
   Bits128 cs_[kVector && !kMrope ? kSlots : 1][kVector && !kMrope ? kTableVecs : 1];
   const opmath* axis_rows_[kMrope ? kMaxMropeAxes : 1];  // MRoPE: the axes' table rows
   uint32_t pair_axes_[kMrope ? kSlots : 1];  // MRoPE: pair i of slot s's lane: bits 2i, 2i + 1
-  Bits128 w_[kVector ? kSlots : 1][kChunks][kWeightVecs];
+  // The lanes' weights: forward, as scale values (weight + weight_offset); backward, as read.
+  opmath w_[kVector && kWeightValues ? kSlots : 1][kChunks][kVector && kWeightValues ? V : 1];
+  Bits128 w_raw_[kVector && !kWeightValues ? kSlots : 1][kChunks][kWeightVecs];
 };
 
 // ---- Host side: the launch plan, shared by the CUDA launcher and the emulation ----

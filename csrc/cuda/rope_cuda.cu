@@ -163,6 +163,8 @@ struct LaunchNorm {
   static void run(const NormRotaryParams& p, const at::ScalarType& table_dtype,
                   const c10::Device& device) {
     const int index = device.index();
+    // The kernels rotate back exactly in backward (a compile-time negation of the sines).
+    TORCH_INTERNAL_ASSERT(p.rotary.inverse == kBackward);
     cuda_kernel::NormLaunchPlan plan =
         cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble, kBackward,
                                sm_count(index), blocks_per_sm(index));

@@ -311,6 +311,7 @@ struct EmulateNorm {
         cuda_kernel::NormRowThread<scalar_t, kInterleaved, kVector, kBackward, kMrope>;
     using opmath = typename Thread::opmath;
     constexpr int kWarp = cuda_kernel::kNormMaxGroup;
+    TORCH_INTERNAL_ASSERT(p.rotary.inverse == kBackward);  // as the CUDA launcher
     cuda_kernel::NormLaunchPlan plan =
         cuda_kernel::plan_norm(p, sizeof(scalar_t), table_dtype == at::kDouble, kBackward,
                                g_sm_count.load(), g_blocks_per_sm.load());
