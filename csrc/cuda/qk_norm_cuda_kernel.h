@@ -168,15 +168,17 @@ class NormRowThread {
     if constexpr (kVector) {
       const OperandPlan& pl = kp.op[o_];
       const scalar_t* x = row_x(kp);
+      // Chunk by chunk, its feature computed once for all rows.
+      for_each_chunk(kp, [&](int s, int32_t lane, int c) {
+        const int64_t feature = chunk_feature(kp, lane, c);
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        if (j >= rows_) continue;
-        for_each_chunk(kp, [&](int s, int32_t lane, int c) {
-          const int64_t f = j * pl.head_x_stride + chunk_feature(kp, lane, c);
+        for (int j = 0; j < kRows; ++j) {
+          if (j >= rows_) continue;
+          const int64_t f = j * pl.head_x_stride + feature;
           x_[j][s][c] = mem.load128(x + f);
           if constexpr (kBackward) gy_[j][s][c] = mem.load128(row_gy(kp) + f);
-        });
-      }
+        }
+      });
       load_rotations(kp, mem);
       // The weights depend on the operand and the lane only: read once per operand.
       if (o_ != weights_of_) {
@@ -259,6 +261,11 @@ class NormRowThread {
         const int32_t lane = lane_ + s * kp.group;
         if (lane >= kp.lanes[o_]) continue;
         const int chunks = lane < kp.rotary_lanes[o_] ? kChunks : 1;
+        // The lane's chunks' features, once for all rows (recomputed per row, they cost a
+        // constant-bank load and 64-bit arithmetic per store).
+        int64_t feature[kChunks];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) feature[c] = chunk_feature(kp, lane, c);
         // Backward: the thread's partial-row vectors for the lane's chunks, to which each
         // row adds gn * x * r, row by row.
         constexpr int kPer = kChunkBytes / sizeof(opmath);
@@ -270,7 +277,7 @@ class NormRowThread {
             if (c >= chunks) continue;
 #pragma unroll
             for (int q = 0; q < V / kPer; ++q) {
-              fn(acc[c][q], partial + chunk_feature(kp, lane, c) + q * kPer);
+              fn(acc[c][q], partial + feature[c] + q * kPer);
             }
           }
         };
@@ -294,7 +301,7 @@ class NormRowThread {
 #pragma unroll
           for (int c = 0; c < kChunks; ++c) {
             if (c >= chunks) continue;
-            mem.store128(out + j * out_step + chunk_feature(kp, lane, c), y[c]);
+            mem.store128(out + j * out_step + feature[c], y[c]);
           }
         }
         if constexpr (kBackward) {
