@@ -23,7 +23,8 @@ struct NormRotaryParams {
   double weight_offset;   // the scale is weight + weight_offset (Gemma's (1 + w): 1)
   // Backward: the forward's input rows, at operand o's x strides (the op lays them out so),
   // and the weight gradients [head_dim], contiguous, of the weight's dtype: the backend
-  // writes every element, the sum over rows in opmath rounded once (store_weight_grad()).
+  // writes every element, the sum over rows in opmath rounded once to the weight's dtype
+  // (the CPU kernel through store_weight_grad(), CUDA by copy_ from its float32 partials).
   const void* input[2];
   void* weight_grad[2];
 };
