@@ -758,7 +758,8 @@ void rotate_contiguous_span(const scalar_t* x, scalar_t* out, int64_t rows, int6
 }
 
 // Prefetches the `bytes` from p on, a cache line at a time; kWrite: for writing. kLocality is
-// __builtin_prefetch's: 3 into L1 (prefetcht0 / prefetchw), 2 into L2 (prefetcht1).
+// __builtin_prefetch's: 3 into L1 (prefetcht0), 2 into L2 (prefetcht1); without -mprfchw, which
+// the build does not pass, writes get the same instructions.
 template <bool kWrite, int kLocality = 3>
 C10_ALWAYS_INLINE void prefetch_bytes(const void* p, int64_t bytes) {
   const auto* line = static_cast<const char*>(p);
@@ -779,9 +780,10 @@ C10_ALWAYS_INLINE void prefetch_bytes(const void* p, int64_t bytes) {
 // the run being turned (8 + 8 KiB out of place) and the next run (16 KiB more) do not fit a
 // 32 KiB L1 together (Zen 3 and 4, and Intel's cores before Golden Cove), and the runs of
 // a tile's heads lie a power of two apart, so in the same L1 sets. bf16 half-split q, k
-// [1, 32, 2048, 128] out of place, AMD EPYC (Zen 4), median of 7: 1 thread, AVX2 2.48-2.60 ms
-// -> 2.06-2.20, AVX512_BF16 2.22-2.64 -> 1.59-1.94; 2 threads, AVX2 1.09 -> 1.04-1.07,
-// AVX512_BF16 0.89 -> 0.83; in place, 2 threads, 1.02 -> 0.98 and 0.82 -> 0.74.
+// [1, 32, 2048, 128], AMD EPYC (Zen 4), median of 7, over five interleaved rounds of the two
+// builds: out of place, 1 thread, AVX2 2.48-2.86 ms -> 2.06-2.39, AVX512_BF16 2.22-2.85 ->
+// 1.59-2.04; in place, 2 threads, AVX2 1.02-1.10 -> 0.97-1.05, AVX512_BF16 0.82-0.94 -> 0.74-0.76.
+// Out of place on 2 threads the change was within the machine's noise.
 constexpr int kTileLocality = 2;
 template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail, bool kStream>
 void rotate_contiguous_tile(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
