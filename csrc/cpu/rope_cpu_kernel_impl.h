@@ -790,8 +790,9 @@ C10_ALWAYS_INLINE void prefetch_bytes(const void* p, int64_t bytes) {
 // extra ~26% is these prefetches (18% of this function's samples) and the tiles' setup. Every
 // line needs its prefetch: one every 128 bytes, leaving the rest to the adjacent-line
 // prefetcher, took bf16 half-split q, k [1, 32, 2048, 128] out of place, 1 thread, from
-// 2.3-2.9 ms to 4.9-5.0 ms (none at all: 5.3-6.2). An unrolled loop, no prefetch of out, 16-token tiles and the rotations pinned to
-// registers (one load each, not two) measured within the noise.
+// 2.3-2.9 ms to 4.9-5.0 ms (none at all: 5.3-6.2). An unrolled loop, no prefetch of out,
+// 16-token tiles and the rotations pinned to registers (one load each, not two) measured
+// within the noise.
 constexpr int kTileLocality = 2;
 template <typename scalar_t, bool kInterleaved, int kSteps, Tail kTail, bool kStream>
 void rotate_contiguous_tile(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
