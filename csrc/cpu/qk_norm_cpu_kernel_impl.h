@@ -142,8 +142,9 @@ PaddedRow<opmath_t<scalar_t>> scale_weights(const NormRotaryParams& p, int o) {
 }
 
 // Calls fn(o, x offset, out offset, positions offset, span, x / out / positions strides of
-// the span's rows) for the spans of rows [begin, end): runs of rows along an operand's
-// innermost leading dim, the operands' rows in order.
+// the span's rows, rows of o in [begin, end) from the span's first on) for the spans of rows
+// [begin, end): runs of rows along an operand's innermost leading dim, the operands' rows in
+// order.
 template <typename Fn>
 void for_each_span(const RotaryParams& p, int64_t begin, int64_t end, Fn&& fn) {
   int64_t first_row = 0;
@@ -162,7 +163,7 @@ void for_each_span(const RotaryParams& p, int64_t begin, int64_t end, Fn&& fn) {
     RowCursor cursor(op, lo - (first_row - op.rows));
     for (int64_t row = lo; row < hi;) {
       const int64_t span = std::min(hi - row, cursor.span());
-      fn(o, cursor.x(), cursor.out(), cursor.pos(), span, xs, os, ps);
+      fn(o, cursor.x(), cursor.out(), cursor.pos(), span, xs, os, ps, hi - row);
       cursor.advance(span);
       row += span;
     }
@@ -175,7 +176,7 @@ template <typename opmath, typename table_t, typename Fn>
 void for_each_row(const RotaryParams& p, RotationCache<opmath, table_t>& cache, int64_t begin,
                   int64_t end, Fn&& fn) {
   for_each_span(p, begin, end, [&](int o, int64_t x_at, int64_t out_at, int64_t pos_at,
-                                   int64_t span, int64_t xs, int64_t os, int64_t ps) {
+                                   int64_t span, int64_t xs, int64_t os, int64_t ps, int64_t) {
     for (int64_t j = 0; j < span; ++j) {
       fn(o, x_at + j * xs, out_at + j * os, cache.at(pos_at + j * ps));
     }
@@ -571,11 +572,17 @@ void norm_rotate_block_fast(const NormSegment<scalar_t>* segments, int count,
 // Normalises and rotates `rows` rows of operand o that share the rotation, a block at a time.
 // Rows back to back in memory ([B, S, H, D], and transformers' [B, H, S, D] views of it) are
 // prefetched kNormPrefetchRows ahead, into the next spans: the first pass then reads them
-// from L1, where it had nothing to overlap their wait on L2 or L3. kStream: streaming stores
-// (stream_output), and no prefetch of out.
+// from L1, where it had nothing to overlap their wait on L2 or L3. Only rows of the task's
+// own, the first `task_rows` from x on: a prefetch into the next task's rows pulled lines that
+// another core was writing, and that core then took them back, every call. bf16 q, k
+// [32, 1, 32 / 8, 128] at one position in place (two tasks of 640 rows), 2 threads of a Zen 4,
+// AVX512_BF16: the thread whose rows the other prefetched ran 2.7x as long as the other
+// (perf), and a call took 22-37 us, against 13-19 without those prefetches (1 thread: 17-20).
+// kStream: streaming stores (stream_output), and no prefetch of out.
 template <typename scalar_t, bool kInterleaved, int kSteps, bool kStream>
-void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs,
-                           int64_t os, int o, const StepValues<scalar_t>* const (&weights)[2],
+void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64_t task_rows,
+                           int64_t xs, int64_t os, int o,
+                           const StepValues<scalar_t>* const (&weights)[2],
                            const Rotation<opmath_t<scalar_t>>& rotation, int64_t pairs,
                            opmath_t<scalar_t> eps) {
   constexpr int64_t kRowElems = 2 * kSteps * kStepPairs<scalar_t, kInterleaved>;
@@ -583,9 +590,19 @@ void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64
   const int64_t ahead_out = out != x && os == kRowElems && !kStream ? kNormPrefetchRows * os : 0;
   for (int64_t row = 0; row < rows; row += kNormBlock) {
     const int block = static_cast<int>(std::min<int64_t>(kNormBlock, rows - row));
-    const NormSegment<scalar_t> segment{x + row * xs, out + row * os, xs, os, block, o,
-                                        ahead_x, ahead_out};
-    norm_rotate_block_fast<scalar_t, kInterleaved, kSteps, kStream>(&segment, 1, weights,
+    // The block's rows whose prefetch stays in the task, then the rest, without.
+    const int ahead = static_cast<int>(
+        std::clamp<int64_t>(task_rows - kNormPrefetchRows - row, 0, block));
+    NormSegment<scalar_t> segments[2];
+    int count = 0;
+    if (ahead > 0) {
+      segments[count++] = {x + row * xs, out + row * os, xs, os, ahead, o, ahead_x, ahead_out};
+    }
+    if (ahead < block) {
+      segments[count++] = {x + (row + ahead) * xs, out + (row + ahead) * os, xs, os,
+                           block - ahead, o, 0, 0};
+    }
+    norm_rotate_block_fast<scalar_t, kInterleaved, kSteps, kStream>(segments, count, weights,
                                                                     rotation, pairs, eps);
   }
 }
@@ -622,7 +639,8 @@ void norm_rotate_tokens_fast(const RotaryParams& p, RowCursor (&cursors)[2], int
       auto* out = static_cast<scalar_t*>(op.out) + cursors[o].out();
       for (int64_t j = 0; j < heads;) {
         const int take = static_cast<int>(std::min<int64_t>(heads - j, kNormBlock - rows));
-        segments[count++] = {x + j * xs, out + j * os, xs, os, take, o, ahead[o], 0};
+        segments[count++] = {x + j * xs, out + j * os, xs, os, take, o,
+                             t + kNormPrefetchTokens < tokens ? ahead[o] : 0, 0};
         rows += take;
         j += take;
         if (rows == kNormBlock) {
@@ -646,7 +664,7 @@ using RotationAt = std::function<const Rotation<opmath_t<scalar_t>>&(int64_t)>;
 // The fast path's functions for rows of `pairs` pairs, all rotated, in 1, 2, 4 or 8 whole
 // steps; nullptrs for other rows. span_stream: span's streaming-store form (stream_output).
 template <typename scalar_t>
-using FastSpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t, int,
+using FastSpanFn = void (*)(const scalar_t*, scalar_t*, int64_t, int64_t, int64_t, int64_t, int,
                             const StepValues<scalar_t>* const (&)[2],
                             const Rotation<opmath_t<scalar_t>>&, int64_t, opmath_t<scalar_t>);
 template <typename scalar_t>
@@ -701,7 +719,8 @@ void fast_step_weights(const RotaryParams& p, const PaddedRow<opmath_t<scalar_t>
   TORCH_INTERNAL_ASSERT(p.rot_pairs <= FastStepWeights<scalar_t>::kMaxSteps * kStep);
   for (int o = 0; o < p.num_operands; ++o) {
     for (int64_t i = 0; i < p.rot_pairs; i += kStep) {
-      out.steps[o][i / kStep] = weight_step<scalar_t, kInterleaved>(weights[o].data(), i, p.rot_pairs);
+      out.steps[o][i / kStep] =
+          weight_step<scalar_t, kInterleaved>(weights[o].data(), i, p.rot_pairs);
     }
   }
 }
@@ -786,7 +805,8 @@ void norm_rotate_rows(const NormRotaryParams& np,
   }
   const StepValues<scalar_t>* const fast_weights[2] = {steps.steps[0], steps.steps[1]};
   for_each_span(p, begin, end, [&](int o, int64_t x_at, int64_t out_at, int64_t pos_at,
-                                   int64_t span, int64_t xs, int64_t os, int64_t ps) {
+                                   int64_t span, int64_t xs, int64_t os, int64_t ps,
+                                   int64_t task_rows) {
     const RotaryOperand& op = p.operands[o];
     const int64_t n = op.head_dim;
     const opmath* w = weights[o].data();
@@ -797,23 +817,24 @@ void norm_rotate_rows(const NormRotaryParams& np,
       if (contiguous && ps == 0) {
         const bool streams =
             stream && fast.span_stream != nullptr && streamable(out, span, os);
-        (streams ? fast.span_stream : fast.span)(x, out, span, xs, os, o, fast_weights,
-                                                 cache.at(pos_at), p.rot_pairs, eps);
+        (streams ? fast.span_stream : fast.span)(x, out, span, task_rows, xs, os, o,
+                                                 fast_weights, cache.at(pos_at), p.rot_pairs,
+                                                 eps);
         return;
       }
       // Strided rows are gathered and take the same path, so every layout gets the same bits.
       for (int64_t j = 0; j < span; ++j) {
         const Rotation<opmath>& rotation = cache.at(pos_at + j * ps);
         if (contiguous) {
-          fast.span(x + j * xs, out + j * os, 1, xs, os, o, fast_weights, rotation, p.rot_pairs,
-                    eps);
+          fast.span(x + j * xs, out + j * os, 1, task_rows - j, xs, os, o, fast_weights, rotation,
+                    p.rot_pairs, eps);
           continue;
         }
         gathered.resize(n);
         for (int64_t f = 0; f < n; ++f) {
           gathered[f] = x[j * xs + f * op.x_feature_stride];
         }
-        fast.span(gathered.data(), gathered.data(), 1, 0, 0, o, fast_weights, rotation,
+        fast.span(gathered.data(), gathered.data(), 1, 1, 0, 0, o, fast_weights, rotation,
                   p.rot_pairs, eps);
         for (int64_t f = 0; f < n; ++f) {
           out[j * os + f * op.out_feature_stride] = gathered[f];
