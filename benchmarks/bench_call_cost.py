@@ -2,9 +2,10 @@
 """The fixed cost of a rope_ext call, part by part, on CPU.
 
 At a one-row q, k (where the kernel's own work is nothing) and at the decode shape, each
-path a user can take: the Python API in place and out of place, the bare torch.ops calls
-(what a compiled graph runs), and the pieces a call is made of, beside copying the same
-tensors (`copy_` and `clone`, each twice, one per tensor). Best of 5 repeats, in us.
+path a user can take: the Python API in place and out of place, the eager entries it calls
+(csrc/rope_python.cpp), the bare torch.ops calls (what a compiled graph runs), and the
+pieces a call is made of, beside copying the same tensors (`copy_` and `clone`, each twice,
+one per tensor). Best of 5 repeats, in us.
 
 Examples:
   python benchmarks/bench_call_cost.py
@@ -37,6 +38,7 @@ def main() -> int:
     table = rope_ext.precompute_freqs_cis(128, 4096)
     real = torch.view_as_real(table)
     ops = torch.ops.rope_ext
+    entries = rope_ext._C
     print(f"rope_ext call cost: torch {torch.__version__}, {benchmark.cpu_description()}, "
           f"{args.threads} CPU threads, {args.dtype}\n")
     print("| path | q, k [1,1,1,128] (us) | q, k [32,1,32,128] (us) |\n|---|---:|---:|")
@@ -53,6 +55,11 @@ def main() -> int:
             q, k, table, offset=1000, inplace=True),
         "rope_ext.apply_rotary_qk(...)": lambda q, k, b: rope_ext.apply_rotary_qk(
             q, k, table, offset=1000),
+        "rope_ext._C.apply_rotary_qk_ (the wrapper's eager entry)":
+            lambda q, k, b: entries.apply_rotary_qk_(q, k, real, None, 1000, 1, True, False,
+                                                     None, False),
+        "rope_ext._C.apply_rotary_qk": lambda q, k, b: entries.apply_rotary_qk(
+            q, k, real, None, 1000, 1, True, False, None, False),
         "torch.ops.rope_ext.apply_rotary_qk_": lambda q, k, b: ops.apply_rotary_qk_(
             q, k, real, None, 1000, 1, True, False),
         "torch.ops.rope_ext.apply_rotary_qk": lambda q, k, b: ops.apply_rotary_qk(

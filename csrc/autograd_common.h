@@ -1,12 +1,14 @@
 // What the autograd Functions of the rotary ops (rope_autograd.cpp) and of the fused
-// RMSNorm + RoPE ops (qk_norm_autograd.cpp) share: typed handles of the ops they call, and the
-// placement arguments (which angle each row turns by) kept in the autograd context.
+// RMSNorm + RoPE ops (qk_norm_autograd.cpp) share: typed handles of the ops they call (the
+// Python entries of rope_python.cpp use them too), and the placement arguments (which angle
+// each row turns by) kept in the autograd context.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -15,8 +17,28 @@ namespace rope_ext::autograd {
 using torch::autograd::AutogradContext;
 using Mrope = at::OptionalIntArrayRef;  // mrope_section
 
+// The ops' C++ signatures, for their typed handles.
 using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                             c10::SymInt, int64_t, bool, bool, Mrope, bool);
+using ApplyInplaceSig = void(const at::Tensor&, const at::Tensor&,
+                             const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, bool,
+                             Mrope, bool);
+using ApplyQkSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&,
+                                                       const std::optional<at::Tensor>&,
+                                                       c10::SymInt, int64_t, bool, bool, Mrope,
+                                                       bool);
+using ApplyQkInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
+                               bool, Mrope, bool);
+using NormSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, double,
+    double, Mrope, bool);
+using NormInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
+                            double, double, Mrope, bool);
 using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
                                 bool, Mrope, bool);

@@ -23,16 +23,10 @@ using torch::autograd::variable_list;
 using autograd::ApplySig;
 using autograd::find_op;
 using autograd::Mrope;
+using autograd::NormInplaceSig;
+using autograd::NormSig;
 using autograd::optional_tensor;
 using autograd::TableGradSig;
-using NormSig = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, double,
-    double, Mrope, bool);
-using NormInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
-                            double, double, Mrope, bool);
 using NormBackwardSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,

@@ -23,22 +23,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+using autograd::ApplyInplaceSig;
+using autograd::ApplyQkInplaceSig;
+using autograd::ApplyQkSig;
 using autograd::ApplySig;
 using autograd::find_op;
 using autograd::Mrope;
 using autograd::optional_tensor;
 using autograd::TableGradSig;
-using ApplyInplaceSig = void(const at::Tensor&, const at::Tensor&,
-                             const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool, bool,
-                             Mrope, bool);
-using ApplyQkSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                       const at::Tensor&,
-                                                       const std::optional<at::Tensor>&,
-                                                       c10::SymInt, int64_t, bool, bool, Mrope,
-                                                       bool);
-using ApplyQkInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
-                               bool, Mrope, bool);
+
 // The non-tensor arguments every rotary op shares, kept in the autograd context.
 struct RotaryArgs : autograd::PlacementArgs {
   bool inverse;

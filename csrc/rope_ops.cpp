@@ -3,17 +3,7 @@
 //
 // The table argument `freqs_cis` of the ops is the real view [P, R/2, 2] (cos, sin) of the
 // complex LLaMA table, float32 or float64; the Python wrappers accept the complex form too.
-#include <Python.h>
 #include <torch/library.h>
-
-// A plain module init, so `import rope_ext._C` loads the library (and runs the registrations
-// below) without pybind11; the ops are reached through torch.ops.rope_ext.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
-  };
-  return PyModule_Create(&module_def);
-}
 
 TORCH_LIBRARY(rope_ext, m) {
   // The scaling variants of Hugging Face transformers configs (rope_parameters / rope_scaling);

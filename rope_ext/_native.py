@@ -39,7 +39,7 @@ def _load_error(error: ImportError) -> str:
 
 
 try:
-    from . import _C  # noqa: F401  (registers torch.ops.rope_ext)
+    from . import _C  # registers torch.ops.rope_ext; eager_entry calls its functions
 
     LOADED = True
     LOAD_ERROR: str | None = None
@@ -87,6 +87,17 @@ def op(name: str) -> Callable[..., object]:
         overload = getattr(torch.ops.rope_ext, name).default
         entry = _EAGER_ENTRIES[name] = getattr(overload, "_op", overload)
     return entry
+
+
+def eager_entry(name: str) -> Callable[..., object] | None:
+    """rope_ext._C's entry for op `name` (csrc/rope_python.cpp), or None under torch.compile
+    (Dynamo traces the op itself). It takes all of the op's arguments in schema order, runs
+    the same dispatcher call as torch.ops without torch's generic argument matching and boxing
+    (~0.7 us of a call's ~2.5), and returns NotImplemented, running nothing, where that path
+    is needed (a tensor subclass or TorchFunctionMode, a SymInt offset): call op(name) then."""
+    if torch.compiler.is_compiling():
+        return None
+    return getattr(_C, name)
 
 
 def supports(device: torch.device) -> bool:

@@ -224,6 +224,12 @@ def apply_rotary(
         table, positions = _dtensor_inputs("apply_rotary_" if inplace else "apply_rotary", [x],
                                            table, positions, offset, seq_dim, mrope_section)
     if _native.serves(x):
+        entry = _native.eager_entry("apply_rotary_" if inplace else "apply_rotary")
+        if entry is not None:
+            out = entry(x, table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
+                        mrope_interleaved)
+            if out is not NotImplemented:
+                return x if inplace else out
         args = _op_args((table, positions, offset),
                         (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved),
                         ROTARY_TAIL_DEFAULTS, 2)
@@ -270,6 +276,12 @@ def apply_rotary_qk(
                                            [q, k], table, positions, offset, seq_dim,
                                            mrope_section)
     if _native.serves(q):
+        entry = _native.eager_entry("apply_rotary_qk_" if inplace else "apply_rotary_qk")
+        if entry is not None:
+            out = entry(q, k, table, positions, offset, seq_dim, interleaved, inverse,
+                        mrope_section, mrope_interleaved)
+            if out is not NotImplemented:
+                return (q, k) if inplace else out
         args = _op_args((table, positions, offset),
                         (seq_dim, interleaved, inverse, mrope_section, mrope_interleaved),
                         ROTARY_TAIL_DEFAULTS, 2)

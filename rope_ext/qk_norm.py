@@ -65,6 +65,12 @@ def rms_norm_rotary_qk(
         q_weight, k_weight = (distributed.replicate(w, q.device_mesh)
                               for w in (q_weight, k_weight))
     if _native.serves(q):
+        entry = _native.eager_entry(op)
+        if entry is not None:
+            out = entry(q, k, q_weight, k_weight, table, positions, offset, seq_dim, interleaved,
+                        eps, weight_offset, mrope_section, mrope_interleaved)
+            if out is not NotImplemented:
+                return (q, k) if inplace else out
         # Qwen3 and Gemma 3 differ from the defaults at most before the MRoPE arguments.
         args = _op_args((q_weight, k_weight, table, positions, offset),
                         (seq_dim, interleaved, eps, weight_offset, mrope_section,

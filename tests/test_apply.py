@@ -274,6 +274,124 @@ def test_eager_calls_reach_torch_function_modes(device):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+_ENTRY_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_",
+              "rms_norm_rotary_qk", "rms_norm_rotary_qk_")
+
+
+def _entry_args(op, device, **changes):
+    """All of op's arguments in schema order, for its eager entry and for torch.ops."""
+    q = torch.randn(2, 5, 4, 16, device=device)
+    k = torch.randn(2, 5, 2, 16, device=device)
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(16, 64, device=device))
+    weight = torch.rand(16, device=device) + 0.5
+    positions = torch.tensor([[[3], [1], [0], [7], [2]]], device=device)
+    args = dict(positions=positions, offset=4, seq_dim=1, interleaved=False)
+    if op.startswith("rms_norm"):
+        args.update(eps=1e-5, weight_offset=1.0)
+        head = dict(q=q, k=k, q_weight=weight, k_weight=weight.clone(), freqs_cis=table)
+    else:
+        args.update(inverse=True)
+        head = dict(q=q, k=k, freqs_cis=table) if "_qk" in op else dict(x=q, freqs_cis=table)
+    args.update(mrope_section=None, mrope_interleaved=False)
+    args = {**head, **args, **changes}
+    names = [a.name for a in getattr(torch.ops.rope_ext, op).default._schema.arguments]
+    assert list(args) == names
+    return list(args.values())
+
+
+@pytest.mark.parametrize("op", _ENTRY_OPS)
+def test_eager_entries_run_the_op(op, device):
+    # rope_ext._C's entries (what the wrappers call in eager mode) give the op's bits, write
+    # only where the in-place op writes, and return what it returns.
+    args = _entry_args(op, device)
+    expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    want = getattr(torch.ops.rope_ext, op).default(*expected)
+    got = rope_ext._native.eager_entry(op)(*args)
+    outputs = 2 if "_qk" in op else 1
+    if op.endswith("_"):
+        assert got is None and want is None
+        got, want = args[:outputs], expected[:outputs]
+    elif outputs == 1:
+        got, want = [got], [want]
+    assert isinstance(got, (tuple, list)) and len(got) == len(want) == outputs
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("op", ["apply_rotary_", "apply_rotary_qk", "rms_norm_rotary_qk_"])
+@pytest.mark.parametrize("change", ["subclass", "bool offset", "tuple mrope_section",
+                                    "int interleaved", "numpy scalar"])
+def test_eager_entries_decline_what_torch_ops_must_handle(op, change, device):
+    # Where torch's own path has work to do (a subclass's __torch_function__) or an argument
+    # is not of the plain form, an entry runs nothing and returns NotImplemented; the wrapper
+    # then calls the op through torch.ops.
+    import numpy as np
+
+    args = _entry_args(op, device)
+    names = [a.name for a in getattr(torch.ops.rope_ext, op).default._schema.arguments]
+    if change == "subclass":
+        args[0] = args[0].as_subclass(_Subclass)
+    elif change == "bool offset":
+        args[names.index("offset")] = True
+    elif change == "tuple mrope_section":
+        args[names.index("mrope_section")] = (2, 3, 3)
+    elif change == "int interleaved":
+        args[names.index("interleaved")] = 0
+    elif "eps" in names:
+        args[names.index("eps")] = np.float64(1e-5)
+    else:
+        args[names.index("seq_dim")] = np.int64(1)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    assert rope_ext._native.eager_entry(op)(*args) is NotImplemented
+    for a, b in zip(args, before):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_eager_entries_raise_what_torch_ops_raises(device):
+    # Same exception type and message, and the in-place op leaves q and k as they were.
+    args = _entry_args("apply_rotary_qk_", device)
+    args[1] = args[1][..., :8]  # k's head_dim differs from q's
+    before = [a.clone() for a in args[:2]]
+    with pytest.raises(Exception) as via_ops:
+        torch.ops.rope_ext.apply_rotary_qk_.default(*args)
+    with pytest.raises(Exception) as via_entry:
+        rope_ext._native.eager_entry("apply_rotary_qk_")(*args)
+    assert type(via_entry.value) is type(via_ops.value)
+    assert str(via_entry.value) == str(via_ops.value)
+    for a, b in zip(args[:2], before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="takes 10 arguments, got 2"):
+        rope_ext._native.eager_entry("apply_rotary_qk_")(*args[:2])
+
+
+def test_eager_entries_reach_dispatch_modes_and_the_profiler(device):
+    # The entries call the dispatcher, so a TorchDispatchMode and the profiler see the op.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(2, 5, 4, 16, device=device)
+    table = rope_ext.precompute_freqs_cis(16, 32, device=device)
+    with Record() as mode:
+        rope_ext.apply_rotary_qk(q, q.clone(), table, inplace=True)
+    assert torch.ops.rope_ext.apply_rotary_qk_.default in mode.funcs
+    with torch.profiler.profile() as prof:
+        rope_ext.apply_rotary(q, table)
+    assert "rope_ext::apply_rotary" in {e.name for e in prof.events()}
+
+
 def test_inverse_undoes_rotation(device):
     x = torch.randn(3, 20, 4, 64, device=device)
     table = rope_ext.precompute_freqs_cis(64, 20, device=device)
