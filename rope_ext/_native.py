@@ -39,7 +39,7 @@ def _load_error(error: ImportError) -> str:
 
 
 try:
-    from . import _C  # registers torch.ops.rope_ext; eager_entry calls its functions
+    from . import _C  # registers torch.ops.rope_ext; EAGER_ENTRIES holds its functions
 
     LOADED = True
     LOAD_ERROR: str | None = None
@@ -89,15 +89,22 @@ def op(name: str) -> Callable[..., object]:
     return entry
 
 
-def eager_entry(name: str) -> Callable[..., object] | None:
-    """rope_ext._C's entry for op `name` (csrc/rope_python.cpp), or None under torch.compile
-    (Dynamo traces the op itself). It takes all of the op's arguments in schema order, runs
-    the same dispatcher call as torch.ops without torch's generic argument matching and boxing
-    (~0.7 us of a call's ~2.5), and returns NotImplemented, running nothing, where that path
-    is needed (a tensor subclass or TorchFunctionMode, a SymInt offset): call op(name) then."""
-    if torch.compiler.is_compiling():
-        return None
-    return getattr(_C, name)
+# rope_ext._C's entry for each op that has one (csrc/rope_python.cpp), for the wrappers in
+# eager mode (under torch.compile they call the op itself, which Dynamo traces). An entry
+# takes all of the op's arguments in schema order and runs the same dispatcher call as
+# torch.ops without torch's generic argument matching and boxing (~1.6 us of a one-row
+# call's ~2.5). It returns NotImplemented, running nothing, where that path is needed (a
+# tensor subclass or TorchFunctionMode, a SymInt offset): call op(name) then. A library
+# built before the entries existed gets stand-ins that always decline.
+def _declines(*args: object) -> object:
+    return NotImplemented
+
+
+EAGER_ENTRIES: dict[str, Callable[..., object]] = {
+    name: getattr(_C, name, _declines)
+    for name in ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_",
+                 "rms_norm_rotary_qk", "rms_norm_rotary_qk_")
+} if LOADED else {}
 
 
 def supports(device: torch.device) -> bool:

@@ -56,7 +56,8 @@ def rms_norm_rotary_qk(
     """
     mrope_section = None if mrope_section is None else list(mrope_section)
     op = "rms_norm_rotary_qk_" if inplace else "rms_norm_rotary_qk"
-    table = _table_arg(freqs_cis)
+    compiling = torch.compiler.is_compiling()
+    table = _table_arg(freqs_cis, compiling)
     if is_dtensor(q):  # DTensor table and positions; plain weights: every rank's whole copy
         from . import distributed
 
@@ -65,10 +66,10 @@ def rms_norm_rotary_qk(
         q_weight, k_weight = (distributed.replicate(w, q.device_mesh)
                               for w in (q_weight, k_weight))
     if _native.serves(q):
-        entry = _native.eager_entry(op)
-        if entry is not None:
-            out = entry(q, k, q_weight, k_weight, table, positions, offset, seq_dim, interleaved,
-                        eps, weight_offset, mrope_section, mrope_interleaved)
+        if not compiling:
+            out = _native.EAGER_ENTRIES[op](q, k, q_weight, k_weight, table, positions, offset,
+                                            seq_dim, interleaved, eps, weight_offset,
+                                            mrope_section, mrope_interleaved)
             if out is not NotImplemented:
                 return (q, k) if inplace else out
         # Qwen3 and Gemma 3 differ from the defaults at most before the MRoPE arguments.

@@ -306,7 +306,7 @@ def test_eager_entries_run_the_op(op, device):
     args = _entry_args(op, device)
     expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     want = getattr(torch.ops.rope_ext, op).default(*expected)
-    got = rope_ext._native.eager_entry(op)(*args)
+    got = rope_ext._native.EAGER_ENTRIES[op](*args)
     outputs = 2 if "_qk" in op else 1
     if op.endswith("_"):
         assert got is None and want is None
@@ -317,6 +317,29 @@ def test_eager_entries_run_the_op(op, device):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
+
+
+def test_wrappers_fall_back_to_torch_ops_where_entries_decline(monkeypatch, device):
+    # With every entry declining (a library built before the entries existed gets such
+    # stand-ins), the wrappers call the ops through torch.ops and give the same bits.
+    q = torch.randn(2, 5, 4, 16, device=device)
+    k = torch.randn(2, 5, 2, 16, device=device)
+    weight = torch.rand(16, device=device) + 0.5
+    table = rope_ext.precompute_freqs_cis(16, 32, device=device)
+
+    def calls():
+        qi, ki = q.clone(), k.clone()
+        rope_ext.rms_norm_rotary_qk(qi, ki, weight, weight, table, offset=2, inplace=True)
+        return [*rope_ext.apply_rotary_qk(q, k, table, offset=3, interleaved=False),
+                rope_ext.apply_rotary(q, table, positions=torch.arange(5, device=device)[:, None]),
+                *rope_ext.rms_norm_rotary_qk(q, k, weight, weight, table, eps=1e-5), qi, ki]
+
+    want = calls()
+    for name in rope_ext._native.EAGER_ENTRIES:
+        monkeypatch.setitem(rope_ext._native.EAGER_ENTRIES, name, rope_ext._native._declines)
+    got = calls()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 class _Subclass(torch.Tensor):
     pass
@@ -346,7 +369,7 @@ def test_eager_entries_decline_what_torch_ops_must_handle(op, change, device):
     else:
         args[names.index("seq_dim")] = np.int64(1)
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    assert rope_ext._native.eager_entry(op)(*args) is NotImplemented
+    assert rope_ext._native.EAGER_ENTRIES[op](*args) is NotImplemented
     for a, b in zip(args, before):
         if isinstance(a, torch.Tensor):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -360,13 +383,13 @@ def test_eager_entries_raise_what_torch_ops_raises(device):
     with pytest.raises(Exception) as via_ops:
         torch.ops.rope_ext.apply_rotary_qk_.default(*args)
     with pytest.raises(Exception) as via_entry:
-        rope_ext._native.eager_entry("apply_rotary_qk_")(*args)
+        rope_ext._native.EAGER_ENTRIES["apply_rotary_qk_"](*args)
     assert type(via_entry.value) is type(via_ops.value)
     assert str(via_entry.value) == str(via_ops.value)
     for a, b in zip(args[:2], before):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(TypeError, match="takes 10 arguments, got 2"):
-        rope_ext._native.eager_entry("apply_rotary_qk_")(*args[:2])
+        rope_ext._native.EAGER_ENTRIES["apply_rotary_qk_"](*args[:2])
 
 
 def test_eager_entries_reach_dispatch_modes_and_the_profiler(device):
