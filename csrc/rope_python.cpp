@@ -6,8 +6,9 @@
 // each argument matched to the schema and boxed (torch::jit::createStackForSchema, toIValue),
 // every argument searched for __torch_function__, then a boxed call: the overload's `_op`
 // took 2.45-2.54 us for a one-row in-place apply_rotary_qk_ on a Zen 4, the entry below
-// 0.85-0.88 (torch.ops.aten.copy_ of 256 bytes takes 1.7 us the torch.ops way). An entry here takes the op's arguments, all of them, in schema order, converts each
-// directly and calls the op's typed handle: the same dispatcher call, through the same keys
+// 0.85-0.88 (torch.ops.aten.copy_ of 256 bytes takes 1.7 us the torch.ops way). An entry
+// here takes the op's arguments, all of them, in schema order, converts each directly and
+// calls the op's typed handle: the same dispatcher call, through the same keys
 // (autograd, ADInplaceOrView, Python dispatch modes, the profiler's record), with the GIL
 // released around it and C++ errors and warnings raised as torch.ops raises them.
 //
@@ -188,21 +189,17 @@ PyObject* call(const c10::TypedOperatorHandle<R(Args...)>& op, const char* name,
   }
 }
 
-template <typename Sig>
-struct Arity;
 template <typename R, typename... Args>
-struct Arity<R(Args...)> {
-  static constexpr size_t value = sizeof...(Args);
-};
-template <typename Sig>
-constexpr size_t op_arity = Arity<Sig>::value;
+PyObject* call(const c10::TypedOperatorHandle<R(Args...)>& op, const char* name,
+               PyObject* const* args, Py_ssize_t nargs) {
+  return call(op, name, args, nargs, std::index_sequence_for<Args...>());
+}
 
 #define ROPE_EXT_ENTRY(NAME, SIG)                                                  \
   PyObject* NAME##_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {     \
     HANDLE_TH_ERRORS                                                               \
     static const auto op = find_op<autograd::SIG>("rope_ext::" #NAME);             \
-    return call(op, #NAME, args, nargs,                                            \
-                std::make_index_sequence<op_arity<autograd::SIG>>());              \
+    return call(op, #NAME, args, nargs);                                           \
     END_HANDLE_TH_ERRORS                                                           \
   }
 
