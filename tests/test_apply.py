@@ -249,7 +249,7 @@ def test_eager_calls_reach_torch_function_modes(device):
     # (and subclasses) still see the op, with every argument the wrapper passed.
     from torch.overrides import TorchFunctionMode
 
-    class Record(TorchFunctionMode):
+    class RecordFunctions(TorchFunctionMode):
         def __init__(self):
             super().__init__()
             self.calls = []
@@ -262,7 +262,7 @@ def test_eager_calls_reach_torch_function_modes(device):
     k = torch.randn(2, 5, 2, 16, device=device)
     table = rope_ext.precompute_freqs_cis(16, 32, device=device)
     expected = rope_ext.apply_rotary_qk(q, k, table, offset=3, interleaved=False)
-    with Record() as mode:
+    with RecordFunctions() as mode:
         got = rope_ext.apply_rotary_qk(q, k, table, offset=3, interleaved=False)
         rope_ext.apply_rotary(q, table, inplace=True)
     ops = [func for func, _ in mode.calls]
@@ -396,7 +396,7 @@ def test_eager_entries_reach_dispatch_modes_and_the_profiler(device):
     # The entries call the dispatcher, so a TorchDispatchMode and the profiler see the op.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Record(TorchDispatchMode):
+    class RecordDispatches(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.funcs = []
@@ -407,7 +407,7 @@ def test_eager_entries_reach_dispatch_modes_and_the_profiler(device):
 
     q = torch.randn(2, 5, 4, 16, device=device)
     table = rope_ext.precompute_freqs_cis(16, 32, device=device)
-    with Record() as mode:
+    with RecordDispatches() as mode:
         rope_ext.apply_rotary_qk(q, q.clone(), table, inplace=True)
     assert torch.ops.rope_ext.apply_rotary_qk_.default in mode.funcs
     with torch.profiler.profile() as prof:

@@ -591,16 +591,17 @@ void norm_rotate_span_fast(const scalar_t* x, scalar_t* out, int64_t rows, int64
   for (int64_t row = 0; row < rows; row += kNormBlock) {
     const int block = static_cast<int>(std::min<int64_t>(kNormBlock, rows - row));
     // The block's rows whose prefetch stays in the task, then the rest, without.
-    const int ahead = static_cast<int>(
+    const int prefetching = static_cast<int>(
         std::clamp<int64_t>(task_rows - kNormPrefetchRows - row, 0, block));
     NormSegment<scalar_t> segments[2];
     int count = 0;
-    if (ahead > 0) {
-      segments[count++] = {x + row * xs, out + row * os, xs, os, ahead, o, ahead_x, ahead_out};
+    if (prefetching > 0) {
+      segments[count++] = {x + row * xs, out + row * os, xs, os, prefetching, o, ahead_x,
+                           ahead_out};
     }
-    if (ahead < block) {
-      segments[count++] = {x + (row + ahead) * xs, out + (row + ahead) * os, xs, os,
-                           block - ahead, o, 0, 0};
+    if (prefetching < block) {
+      segments[count++] = {x + (row + prefetching) * xs, out + (row + prefetching) * os, xs, os,
+                           block - prefetching, o, 0, 0};
     }
     norm_rotate_block_fast<scalar_t, kInterleaved, kSteps, kStream>(segments, count, weights,
                                                                     rotation, pairs, eps);
@@ -617,7 +618,7 @@ void norm_rotate_tokens_fast(const RotaryParams& p, RowCursor (&cursors)[2], int
                                  rotation_at,
                              opmath_t<scalar_t> eps) {
   NormSegment<scalar_t> segments[2];  // a block holds one run of q's rows and one of k's
-  int64_t ahead[2];
+  int64_t ahead_x[2];  // elements
   for (int o = 0; o < 2; ++o) {
     const RotaryOperand& op = p.operands[o];
     // The same row kNormPrefetchTokens tokens on, along the innermost token dim of more than
@@ -626,7 +627,7 @@ void norm_rotate_tokens_fast(const RotaryParams& p, RowCursor (&cursors)[2], int
     while (d >= 0 && op.sizes[d] == 1) {
       --d;
     }
-    ahead[o] = d >= 0 ? kNormPrefetchTokens * op.x_strides[d] : 0;
+    ahead_x[o] = d >= 0 ? kNormPrefetchTokens * op.x_strides[d] : 0;
   }
   for (int64_t t = 0; t < tokens; ++t) {
     const Rotation<opmath_t<scalar_t>>& rotation = rotation_at(cursors[0].pos());
@@ -640,7 +641,7 @@ void norm_rotate_tokens_fast(const RotaryParams& p, RowCursor (&cursors)[2], int
       for (int64_t j = 0; j < heads;) {
         const int take = static_cast<int>(std::min<int64_t>(heads - j, kNormBlock - rows));
         segments[count++] = {x + j * xs, out + j * os, xs, os, take, o,
-                             t + kNormPrefetchTokens < tokens ? ahead[o] : 0, 0};
+                             t + kNormPrefetchTokens < tokens ? ahead_x[o] : 0, 0};
         rows += take;
         j += take;
         if (rows == kNormBlock) {
