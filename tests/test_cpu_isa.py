@@ -214,3 +214,36 @@ def test_choice_follows_aten_cpu_capability(capability, widest):
     assert result.returncode == 0, result.stderr
     kernel = result.stdout.split()[0]
     assert kernel == widest or (widest == "AVX2" and "avx2" not in CPU_FLAGS)
+
+
+def test_step_cycles_benchmark_builds_and_runs(tmp_path):
+    """benchmarks/cpu_step_cycles.cpp (the README's evidence for what bounds the fused norm on a
+    Zen 4) compiles with the flags of the command in its header and prints its two tables, each
+    row a positive cycle count, or says that the CPU has no AVX512_BF16."""
+    import re
+    import shutil
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_step_cycles.cpp"
+    command = next(line for line in source.read_text().splitlines() if line.startswith("//   g++ "))
+    flags = command.split("g++ ", 1)[1].split(" -o ", 1)[0].split()
+    assert "-march=native" not in flags and "-mavx512bf16" in flags, flags
+    exe = tmp_path / "cpu_step_cycles"
+    compiler = shutil.which("g++") or shutil.which("c++")
+    subprocess.run([compiler, *flags, "-o", str(exe), str(source)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    with open("/proc/cpuinfo") as f:
+        has_bf16 = " avx512_bf16" in f.read()
+    if not has_bf16:
+        assert out.strip() == "this CPU has no AVX512_BF16; nothing to measure", out
+        return
+    assert re.search(r"core cycles per TSC tick", out), out
+    rows = re.findall(r"^\| ([^|]+) \| ([0-9.]+) \| ?([0-9.]*) ?\|$", out, flags=re.M)
+    names = [name for name, _, _ in rows]
+    for want in ("RoPE alone (4 mul/FMA, vcvtne2ps2bf16 + vpermw)",
+                 "fused, both passes (+ load, vdpbf16ps, a reduction a row)", "VFMADD231PS",
+                 "VDPBF16PS", "VCVTNE2PS2BF16", "VPTERNLOGD"):
+        assert want in names, (want, out)
+    assert len(rows) == 14, out
+    assert all(float(cycles) > 0 for _, cycles, _ in rows), out
