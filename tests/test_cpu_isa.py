@@ -1,4 +1,5 @@
-"""Each per-instruction-set CPU kernel is right, and the run-time choice follows torch's."""
+"""Each per-instruction-set CPU kernel is right, and the run-time choice follows torch's; the
+AVX512_BF16 step benchmark (benchmarks/cpu_step_cycles.cpp) builds and runs."""
 
 import os
 import subprocess
