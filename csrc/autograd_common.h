@@ -7,10 +7,14 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <initializer_list>
 #include <optional>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#include "rope_checks.h"
 
 namespace rope_ext::autograd {
 
@@ -46,6 +50,42 @@ using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// Whether t's sizes, strides or storage offset are symbols: a fake tensor of a dynamic-shape
+// trace (torch.compile, torch.export). The C++ checks cannot read such a layout (numel()
+// throws); the fake kernels (rope_ext/_meta.py) check it as far as its symbols allow.
+inline bool symbolic_layout(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+}
+
+// Whether an in-place call must write t through copy_ rather than hand it to a mutating op:
+// t is a view at a symbolic storage offset, which only a dynamic-shape trace makes. Inductor
+// drops that offset when a custom op mutates the view (pytorch/pytorch#198068, in every torch
+// release up to 2.15), so the writes would land at the start of the base buffer, with no
+// error. It places copy_ into the view right.
+inline bool at_symbolic_offset(const at::Tensor& t) {
+  return !t.sym_storage_offset().maybe_as_int().has_value();
+}
+
+// The checks an in-place call makes of its targets (x, or q and k), under op's name: each
+// distinct memory, q and k disjoint. For the autograd kernels' paths that write through
+// copy_ or one Function per tensor, where the in-place op's own checks do not run; symbolic
+// layouts go to the check_inplace op, whose fake kernel checks what their symbols allow.
+inline void check_inplace_targets(const char* op, std::initializer_list<at::Tensor> targets) {
+  bool symbolic = false;
+  for (const at::Tensor& t : targets) {
+    symbolic = symbolic || symbolic_layout(t);
+  }
+  if (symbolic) {
+    static const auto check =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("rope_ext::check_inplace", "")
+            .typed<void(std::string_view, at::TensorList)>();
+    check.call(op, std::vector<at::Tensor>(targets));
+    return;
+  }
+  check_inplace_call(op, targets);
 }
 
 inline std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {

@@ -138,31 +138,34 @@ std::tuple<at::Tensor, at::Tensor> norm_rotary_qk_functional(
 
 // In place with gradients: the functional op, then copied into q and k, so that autograd
 // keeps the inputs the backward needs (the in-place kernel would overwrite them) and q and
-// k may be views of one projection.
+// k may be views of one projection. Without gradients too where q or k is a view at a
+// symbolic storage offset (autograd::at_symbolic_offset).
 void norm_rotary_qk_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
                             const at::Tensor& k_weight, const at::Tensor& table,
                             const std::optional<at::Tensor>& positions, c10::SymInt offset,
                             int64_t seq_dim, bool interleaved, double eps, double weight_offset,
                             Mrope mrope_section, bool mrope_interleaved) {
-  static const auto op = find_op<NormInplaceSig>("rope_ext::rms_norm_rotary_qk_");
-  if (any_requires_grad({q, k, q_weight, k_weight, table})) {
-    // The in-place op's checks, under its name, before anything is written.
-    constexpr const char* name = "rms_norm_rotary_qk_";
-    detail::check_norm_args(name, q, k, q_weight, k_weight, table, positions,
-                            offset.guard_int(__FILE__, __LINE__), seq_dim, eps, mrope_section,
-                            mrope_interleaved);
-    check_inplace_target(name, "q", q);
-    check_inplace_target(name, "k", k);
-    check_qk_disjoint(name, q, k);
-    // On copies: the backward reads the inputs, which the copies back overwrite.
-    auto [q_out, k_out] = norm_rotary_qk_functional(q.clone(), k.clone(), q_weight, k_weight, table, positions,
-                                                    offset, seq_dim, interleaved, eps,
-                                                    weight_offset, mrope_section,
-                                                    mrope_interleaved);
+  constexpr const char* name = "rms_norm_rotary_qk_";
+  const bool grads = any_requires_grad({q, k, q_weight, k_weight, table});
+  if (grads || autograd::at_symbolic_offset(q) || autograd::at_symbolic_offset(k)) {
+    // The in-place op's checks, under its name, before anything is written. Symbolic
+    // layouts (a dynamic-shape trace) leave the arguments to the functional op's checks.
+    if (!autograd::symbolic_layout(q) && !autograd::symbolic_layout(k)) {
+      detail::check_norm_args(name, q, k, q_weight, k_weight, table, positions,
+                              offset.guard_int(__FILE__, __LINE__), seq_dim, eps, mrope_section,
+                              mrope_interleaved);
+    }
+    autograd::check_inplace_targets(name, {q, k});
+    // On copies with gradients: the backward reads the inputs, which the copies back
+    // overwrite.
+    auto [q_out, k_out] = norm_rotary_qk_functional(
+        grads ? q.clone() : q, grads ? k.clone() : k, q_weight, k_weight, table, positions,
+        offset, seq_dim, interleaved, eps, weight_offset, mrope_section, mrope_interleaved);
     q.copy_(q_out);
     k.copy_(k_out);
     return;
   }
+  static const auto op = find_op<NormInplaceSig>("rope_ext::rms_norm_rotary_qk_");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.call(q, k, q_weight, k_weight, table, positions, offset, seq_dim, interleaved, eps,

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "autograd_common.h"
+#include "rope_backend.h"
 
 namespace rope_ext {
 namespace {
@@ -192,48 +193,6 @@ bool any_requires_grad(std::initializer_list<at::Tensor> tensors) {
   return false;
 }
 
-void apply_rotary_autograd(const at::Tensor& x, const at::Tensor& table,
-                           const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                           int64_t seq_dim, bool interleaved, bool inverse, Mrope mrope_section,
-                           bool mrope_interleaved) {
-  const RotaryArgs a{std::move(offset), seq_dim,       interleaved,
-                     inverse,           mrope_section, mrope_interleaved};
-  if (any_requires_grad({x, table})) {
-    RotaryInplace::apply(x, table, positions, a);
-    return;
-  }
-  static const auto op = find_op<ApplyInplaceSig>("rope_ext::apply_rotary_");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(x, table, positions, a.offset, seq_dim, interleaved, inverse, mrope_section,
-            mrope_interleaved);
-  }
-  torch::autograd::increment_version(x);
-}
-
-void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
-                              const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                              int64_t seq_dim, bool interleaved, bool inverse,
-                              Mrope mrope_section, bool mrope_interleaved) {
-  const RotaryArgs a{std::move(offset), seq_dim,       interleaved,
-                     inverse,           mrope_section, mrope_interleaved};
-  if (any_requires_grad({q, k, table})) {
-    // The autograd engine lets a Function that modifies a view in place (q and k are often
-    // views of one qkv projection) return only that one tensor: one Function each.
-    RotaryInplace::apply(q, table, positions, a);
-    RotaryInplace::apply(k, table, positions, a);
-    return;
-  }
-  static const auto op = find_op<ApplyQkInplaceSig>("rope_ext::apply_rotary_qk_");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(q, k, table, positions, a.offset, seq_dim, interleaved, inverse, mrope_section,
-            mrope_interleaved);
-  }
-  torch::autograd::increment_version(q);
-  torch::autograd::increment_version(k);
-}
-
 }  // namespace
 
 at::Tensor apply_rotary_functional(const at::Tensor& x, const at::Tensor& table,
@@ -266,6 +225,84 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_qk_functional(
   return op.call(q, k, table, positions, offset, seq_dim, interleaved, inverse, mrope_section,
                  mrope_interleaved);
 }
+
+namespace {
+
+// What the in-place op reads when its call is traced as the functional op and copy_ (see
+// autograd::at_symbolic_offset): x itself, or a copy where the functional op's autograd keeps
+// x (for the table's gradient), which copy_ then overwrites.
+at::Tensor functional_input(const at::Tensor& x, const at::Tensor& table) {
+  return table.requires_grad() && at::GradMode::is_enabled() ? x.clone() : x;
+}
+
+void apply_rotary_autograd(const at::Tensor& x, const at::Tensor& table,
+                           const std::optional<at::Tensor>& positions, c10::SymInt offset,
+                           int64_t seq_dim, bool interleaved, bool inverse, Mrope mrope_section,
+                           bool mrope_interleaved) {
+  if (autograd::at_symbolic_offset(x)) {
+    autograd::check_inplace_targets("apply_rotary_", {x});
+    x.copy_(apply_rotary_functional(functional_input(x, table), table, positions, offset,
+                                    seq_dim, interleaved, inverse, mrope_section,
+                                    mrope_interleaved));
+    return;
+  }
+  const RotaryArgs a{std::move(offset), seq_dim,       interleaved,
+                     inverse,           mrope_section, mrope_interleaved};
+  if (any_requires_grad({x, table})) {
+    RotaryInplace::apply(x, table, positions, a);
+    return;
+  }
+  static const auto op = find_op<ApplyInplaceSig>("rope_ext::apply_rotary_");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(x, table, positions, a.offset, seq_dim, interleaved, inverse, mrope_section,
+            mrope_interleaved);
+  }
+  torch::autograd::increment_version(x);
+}
+
+void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
+                              const std::optional<at::Tensor>& positions, c10::SymInt offset,
+                              int64_t seq_dim, bool interleaved, bool inverse,
+                              Mrope mrope_section, bool mrope_interleaved) {
+  constexpr const char* name = "apply_rotary_qk_";
+  const bool grads = any_requires_grad({q, k, table});
+  // With gradients, the in-place call is one Function per tensor (below), which checks q and
+  // k apart; a layout the C++ checks of the pair cannot read goes the functional way too.
+  if (autograd::at_symbolic_offset(q) || autograd::at_symbolic_offset(k) ||
+      (grads && (autograd::symbolic_layout(q) || autograd::symbolic_layout(k)))) {
+    autograd::check_inplace_targets(name, {q, k});
+    auto [q_out, k_out] = apply_rotary_qk_functional(
+        functional_input(q, table), functional_input(k, table), table, positions, offset,
+        seq_dim, interleaved, inverse, mrope_section, mrope_interleaved);
+    q.copy_(q_out);
+    k.copy_(k_out);
+    return;
+  }
+  const RotaryArgs a{std::move(offset), seq_dim,       interleaved,
+                     inverse,           mrope_section, mrope_interleaved};
+  if (grads) {
+    // The pair's checks, under the in-place op's name, before either tensor is written.
+    detail::check_qk_args(name, q, k, table, positions, a.offset.guard_int(__FILE__, __LINE__),
+                          seq_dim, mrope_section, mrope_interleaved);
+    autograd::check_inplace_targets(name, {q, k});
+    // The autograd engine lets a Function that modifies a view in place (q and k are often
+    // views of one qkv projection) return only that one tensor: one Function each.
+    RotaryInplace::apply(q, table, positions, a);
+    RotaryInplace::apply(k, table, positions, a);
+    return;
+  }
+  static const auto op = find_op<ApplyQkInplaceSig>("rope_ext::apply_rotary_qk_");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(q, k, table, positions, a.offset, seq_dim, interleaved, inverse, mrope_section,
+            mrope_interleaved);
+  }
+  torch::autograd::increment_version(q);
+  torch::autograd::increment_version(k);
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) {
   m.impl("apply_rotary", &apply_rotary_functional);

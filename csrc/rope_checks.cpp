@@ -306,6 +306,17 @@ void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k)
       !overlap, op, ": q and k overlap in memory; an in-place call needs them disjoint");
 }
 
+void check_inplace_call(const char* op, c10::ArrayRef<at::Tensor> targets) {
+  TORCH_INTERNAL_ASSERT(targets.size() == 1 || targets.size() == 2);
+  if (targets.size() == 1) {
+    check_inplace_target(op, "x", targets[0]);
+    return;
+  }
+  check_inplace_target(op, "q", targets[0]);
+  check_inplace_target(op, "k", targets[1]);
+  check_qk_disjoint(op, targets[0], targets[1]);
+}
+
 void check_norm_weight(const char* op, const char* name, const at::Tensor& weight,
                        const char* x_name, const at::Tensor& x) {
   TORCH_CHECK_TYPE(weight.scalar_type() == at::kFloat || weight.scalar_type() == x.scalar_type(),

@@ -36,6 +36,9 @@ void check_inplace_target(const char* op, const char* name, const at::Tensor& x)
 // In-place q and k must not write to the same elements.
 void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k);
 
+// Both of the above for the targets of an in-place call: x, or q and k.
+void check_inplace_call(const char* op, c10::ArrayRef<at::Tensor> targets);
+
 // The norm weight of a fused RMSNorm + RoPE call (csrc/qk_norm.h): [head_dim] of x, float32 or
 // x's dtype, on x's device.
 void check_norm_weight(const char* op, const char* name, const at::Tensor& weight,

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "rope_build.h"
+#include "rope_checks.h"
 #include "rope_scaling.h"
 
 namespace rope_ext {
@@ -120,12 +121,17 @@ std::string build_info() {
   return s.str();
 }
 
+void check_inplace(std::string_view op, at::TensorList targets) {
+  check_inplace_call(std::string(op).c_str(), targets);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rope_ext, CompositeExplicitAutograd, m) {
   m.impl("precompute_freqs_cis", &precompute_freqs_cis);
   m.impl("rope_frequencies", &rope_frequencies_op);
   m.impl("build_info", &build_info);
+  m.impl("check_inplace", &check_inplace);
 }
 
 }  // namespace rope_ext

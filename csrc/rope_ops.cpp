@@ -66,6 +66,11 @@ TORCH_LIBRARY(rope_ext, m) {
         ROPE_EXT_NORM_ARGS ") -> (Tensor, Tensor, Tensor, Tensor)");
 #undef ROPE_EXT_NORM_ARGS
 
+  // The checks of an in-place call's targets (x, or q and k), under op's name: each distinct
+  // memory, q and k disjoint. The ops' autograd kernels call it where they write through
+  // copy_ instead of the in-place op (csrc/autograd_common.h).
+  m.def("check_inplace(str op, Tensor[] targets) -> ()");
+
   // Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) with respect to freqs_cis, shaped
   // like freqs_cis. Composed of stock torch ops (rope_ext/_autograd.py).
   m.def(

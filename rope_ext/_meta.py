@@ -71,6 +71,22 @@ def _(q, k, freqs_cis, positions=None, offset=0, seq_dim=1, interleaved=True, in
     _checks.check_qk_disjoint(op, q, k)
 
 
+# check_inplace returns nothing: without this, a traced graph would drop it as dead code, and
+# the overlap a trace cannot decide from symbolic strides would go unchecked at run time.
+torch.fx.node.has_side_effect(torch.ops.rope_ext.check_inplace.default)
+
+
+@torch.library.register_fake("rope_ext::check_inplace")
+def _(op, targets):
+    if len(targets) == 1:
+        _checks.check_inplace_target(op, "x", targets[0])
+        return
+    q, k = targets
+    _checks.check_inplace_target(op, "q", q)
+    _checks.check_inplace_target(op, "k", k)
+    _checks.check_qk_disjoint(op, q, k)
+
+
 @torch.library.register_fake("rope_ext::rms_norm_rotary_qk")
 def _(q, k, q_weight, k_weight, freqs_cis, positions=None, offset=0, seq_dim=1,
       interleaved=True, eps=1e-6, weight_offset=0.0, mrope_section=None,
