@@ -8,20 +8,20 @@ which dims are dynamic: this times apply_rotary_qk(inplace=True) on three common
 compiled with static shapes, automatic dynamic shapes and dynamic=True, against eager and
 copying the same bytes in the same run.
 
-    python benchmarks/bench_compile_inplace.py [--device cuda] [--out FILE.json]
+    python benchmarks/bench_compile_inplace.py [--device cuda] [--out [FILE.json]]
 
 Every row moves q and k once each way (the bytes of an in-place call); GB/s and the ratio to
-`copy_` of those bytes are per call.
+`copy_` of those bytes are per call. --out alone writes benchmarks/results/<platform>/
+compile-inplace[-<variant>].json (rope_ext.benchmark.results_path), the run's metadata
+(rope_ext.benchmark.run_metadata) first.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import torch
 import rope_ext
 from rope_ext import benchmark
 
+RESULTS = Path(__file__).resolve().parent / "results"
 B, S, HQ, HKV, D = 1, 2048, 32, 8, 128  # Llama-3-8B's heads, one 2048-token prefill
 
 
@@ -90,7 +91,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--min-run-time", type=float, default=0.5)
-    parser.add_argument("--out", type=Path, help="write the rows and the machine to this JSON")
+    parser.add_argument("--out", type=Path, nargs="?", const=RESULTS,
+                        help="write the rows and the machine to this JSON (no value: "
+                             "benchmarks/results/<platform>/compile-inplace[-<variant>].json)")
     args = parser.parse_args()
     rows = run(args.device, getattr(torch, args.dtype), args.min_run_time)
     machine = (torch.cuda.get_device_name() if args.device == "cuda"
@@ -102,13 +105,15 @@ def main() -> int:
         print(f"| {r['layout']} | {r['provider']} | {r['us']:.1f} | {r['gbps']:.1f} | "
               f"{r['ratio_to_copy']:.2f} | {r['ratio_to_eager']:.2f} |")
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(
-            date=datetime.date.today().isoformat(), commit=commit, machine=machine,
-            device=args.device, torch=torch.__version__, python=platform.python_version(),
-            threads=torch.get_num_threads(), command=" ".join(["python"] + sys.argv),
+        variant = benchmark.variant_name(args.device, [getattr(torch, args.dtype)])
+        out = (benchmark.results_path(args.out, args.device, "compile-inplace", variant)
+               .with_suffix(".json") if args.out.is_dir() else args.out)
+        command = benchmark.command_line("benchmarks/bench_compile_inplace.py", sys.argv[1:])
+        meta = benchmark.run_metadata(args.device, "compile-inplace", variant, command,
+                                      heap="system allocator as is")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(
+            **meta, machine=machine, device=args.device, python=platform.python_version(),
             rows=rows), indent=1) + "\n")
     return 0
 

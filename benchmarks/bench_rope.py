@@ -2,13 +2,20 @@
 """RoPE providers side by side against the copy bound, on CPU and CUDA.
 
 Reports a Markdown table on stdout, and writes CSV, JSON and (with matplotlib) a PNG plot of
-GB/s against sequence length per provider, the copy bound drawn as a line.
+GB/s against sequence length per provider, the copy bound drawn as a line. The JSON starts with
+the run's metadata (rope_ext.benchmark.run_metadata: date, commit, torch, CPU, kernel, GPU,
+command); benchmarks/render_results.py renders docs/benchmarks.md's tables from it.
+
+--out alone writes each device's and suite's results to benchmarks/results/<platform>/
+<suite>[-<variant>] (rope_ext.benchmark.results_path: e.g. zen4-epyc/core-avx2.json with
+ROPE_EXT_CPU_KERNEL=AVX2, h200/qk-norm.json); --out DIR does the same under DIR, and --out
+PREFIX writes everything to PREFIX.json, .csv, .md and .png.
 
 Examples:
   python benchmarks/bench_rope.py                            # core cases, every device
-  python benchmarks/bench_rope.py --suite all --out benchmarks/results/cpu
+  python benchmarks/bench_rope.py --suite all --device cpu --out
   python benchmarks/bench_rope.py --suite prefill --device cuda --dtypes bfloat16
-  python benchmarks/bench_rope.py --suite qk_norm --device cpu --out benchmarks/results/cpu_qk_norm
+  ROPE_EXT_CPU_KERNEL=AVX2 python benchmarks/bench_rope.py --suite qk_norm --device cpu --out
 
 The qk_norm suite (fused RMSNorm + RoPE, rope_ext.rms_norm_rotary_qk) always times its fwd+bwd
 providers, with or without --backward, and adds a table of the issue's target ratios under each
@@ -29,6 +36,7 @@ import torch
 from rope_ext import benchmark
 from rope_ext.benchmark import Case
 
+RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim", "mrope",
           "qk_norm")
 
@@ -115,6 +123,30 @@ def plot(results: list[benchmark.Result], path: Path) -> bool:
     return True
 
 
+def write(prefix: Path, results: list[benchmark.Result], header: list[str], meta: dict) -> None:
+    """PREFIX.md (header and tables), .csv (one row per provider and case), .json (meta, then
+    the header, the rows and any target ratios) and, with a prefill sweep, .png."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".md").write_text("\n".join(header) + "\n\n"
+                                         + benchmark.markdown_table(results))
+    rows = [dict(case=r.case.label(), provider=r.provider, ms=r.seconds * 1e3,
+                 gbps=r.gbps, bytes=r.case.bytes_moved,
+                 graph_us="" if r.graph_seconds is None else r.graph_seconds * 1e6, **{
+                     f: str(getattr(r.case, f)) for f in ("device", "dtype", "seq", "batch")})
+            for r in results]
+    with prefix.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    targets = benchmark.target_ratios(results)
+    prefix.with_suffix(".json").write_text(json.dumps(
+        dict(**meta, header=header, results=rows, **(dict(targets=targets) if targets else {})),
+        indent=1) + "\n")
+    print(f"results: {prefix.with_suffix('.json')}", file=sys.stderr)
+    if plot(results, prefix.with_suffix(".png")):
+        print(f"plot: {prefix.with_suffix('.png')}", file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +162,10 @@ def main() -> int:
                              "fwd+bwd providers)")
     parser.add_argument("--min-run-time", type=float, default=0.5,
                         help="seconds of CPU timing per provider (default 0.5)")
-    parser.add_argument("--out", type=Path, help="write OUT.csv, OUT.json, OUT.md and OUT.png")
+    parser.add_argument("--out", type=Path, nargs="?", const=RESULTS,
+                        help="write OUT.csv, OUT.json, OUT.md and OUT.png; with no value or a "
+                             "directory, one set per device and suite in <platform>/<suite>"
+                             "[-<variant>] under benchmarks/results or that directory")
     parser.add_argument("--system-heap", action="store_true",
                         help="leave malloc as it is: outputs may page-fault, depending on the "
                              "allocator's state (default: a steady heap, see "
@@ -143,44 +178,41 @@ def main() -> int:
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     suites = SUITES[1:] if args.suite == "all" else (args.suite,)
-    todo = [case for d in devices for dt in dtypes for s in suites for case in cases(s, d, dt)]
+    todo = [(s, case) for d in devices for dt in dtypes for s in suites
+            for case in cases(s, d, dt)]
 
     progress = Progress(len(todo))
     results: list[benchmark.Result] = []
-    for case in todo:
-        results += benchmark.run_case(case, include_compile=not args.no_compile,
-                                      include_backward=args.backward,
-                                      min_run_time=args.min_run_time)
+    by_suite: dict[tuple[str, str], list[benchmark.Result]] = {}
+    for suite, case in todo:
+        timed = benchmark.run_case(case, include_compile=not args.no_compile,
+                                   include_backward=args.backward,
+                                   min_run_time=args.min_run_time)
+        results += timed
+        by_suite.setdefault((case.device, suite), []).extend(timed)
         progress.step(case.label())
 
+    command = benchmark.command_line("benchmarks/bench_rope.py", sys.argv[1:])
     header = [
         f"rope_ext benchmark: torch {torch.__version__}, {benchmark.cpu_description()}, "
         f"{args.threads} CPU threads, {heap}"
         + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else ""),
-        "Command: python benchmarks/bench_rope.py " + " ".join(sys.argv[1:]),
+        "Command: " + command,
         "Not measured (not importable here): " + ", ".join(
             sorted({m for d in devices for m in benchmark.missing_third_party(d)})),
     ]
-    table = "\n".join(header) + "\n\n" + benchmark.markdown_table(results)
-    print(table)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(table)
-        rows = [dict(case=r.case.label(), provider=r.provider, ms=r.seconds * 1e3,
-                     gbps=r.gbps, bytes=r.case.bytes_moved,
-                     graph_us="" if r.graph_seconds is None else r.graph_seconds * 1e6, **{
-                         f: str(getattr(r.case, f)) for f in ("device", "dtype", "seq", "batch")})
-                for r in results]
-        with args.out.with_suffix(".csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        targets = benchmark.target_ratios(results)
-        args.out.with_suffix(".json").write_text(json.dumps(
-            dict(header=header, results=rows, **(dict(targets=targets) if targets else {})),
-            indent=1))
-        if plot(results, args.out.with_suffix(".png")):
-            print(f"plot: {args.out.with_suffix('.png')}", file=sys.stderr)
+    print("\n".join(header) + "\n\n" + benchmark.markdown_table(results))
+    settings = ["system-heap"] if args.system_heap else []
+    if args.out and args.out.is_dir():
+        for (device, suite), timed in by_suite.items():
+            variant = benchmark.variant_name(device, dtypes, settings)
+            write(benchmark.results_path(args.out, device, suite, variant), timed, header,
+                  benchmark.run_metadata(device, suite, variant, command, heap))
+    elif args.out:
+        device = "cuda" if "cuda" in devices else "cpu"
+        variant = benchmark.variant_name(device, dtypes, settings)
+        write(args.out, results, header,
+              benchmark.run_metadata(device, args.suite, variant, command, heap))
     return 0
 
 

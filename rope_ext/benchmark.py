@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import importlib.util
 import os
 import platform
+import re
+import shlex
 import statistics
-from typing import Callable
+import subprocess
+from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,29 +35,139 @@ from . import _native, api, reference
 from .qk_norm import rms_norm_rotary_qk
 
 
-def cpu_description() -> str:
-    """The processor's model name and widest vector ISA, the rope_ext CPU kernel that ran (said
-    to be forced when ROPE_EXT_CPU_KERNEL chose it) and ROPE_EXT_STREAMING_STORES' mode: every
-    CPU table names them."""
-    model, flags = platform.processor() or platform.machine(), set()
+# /proc/cpuinfo flag -> the widest vector ISA it names, widest first.
+_ISAS = (("avx512_bf16", "AVX-512 with BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def cpu_info() -> dict[str, str | int]:
+    """The first processor of /proc/cpuinfo: vendor, model name, family and model numbers
+    ("unknown" where the file or the field is missing) and its widest vector ISA."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
+                if not key.strip() and fields:  # a blank line ends the first processor
                     break
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    isa = next((name for flag, name in (("avx512_bf16", "AVX-512 with BF16"),
-                                        ("avx512f", "AVX-512"), ("avx2", "AVX2"))
-                if flag in flags), "no AVX2")
+    flags = set(fields.get("flags", "").split())
+
+    def number(key: str) -> int | str:
+        value = fields.get(key, "")
+        return int(value) if value.isdigit() else "unknown"
+
+    return dict(vendor=fields.get("vendor_id", "unknown"),
+                model_name=fields.get("model name") or platform.processor() or platform.machine(),
+                family=number("cpu family"), model=number("model"),
+                isa=next((name for flag, name in _ISAS if flag in flags), "no AVX2"))
+
+
+def _streaming_stores() -> str:
+    return os.environ.get("ROPE_EXT_STREAMING_STORES", "auto") or "auto"
+
+
+def cpu_description() -> str:
+    """The processor's model name and widest vector ISA, the rope_ext CPU kernel that ran (said
+    to be forced when ROPE_EXT_CPU_KERNEL chose it) and ROPE_EXT_STREAMING_STORES' mode: every
+    CPU table names them."""
+    cpu = cpu_info()
     kernel = _native.build_info().get("cpu_kernel", "none")
     forced = " (forced by ROPE_EXT_CPU_KERNEL)" if os.environ.get("ROPE_EXT_CPU_KERNEL") else ""
-    streaming = os.environ.get("ROPE_EXT_STREAMING_STORES", "auto") or "auto"
-    return f"{model} ({isa}), CPU kernel {kernel}{forced}, streaming stores {streaming}"
+    return (f"{cpu['model_name']} ({cpu['isa']}), CPU kernel {kernel}{forced}, "
+            f"streaming stores {_streaming_stores()}")
+
+
+# Results directories (benchmarks/results/<platform>/) of the machines this project has
+# measured, by /proc/cpuinfo's (vendor, family, model); platform_name names any other by its
+# numbers. The Sapphire Rapids-class Xeon's KVM guest reports model 167.
+PLATFORMS = {
+    ("AuthenticAMD", 25, 1): "zen3-epyc",
+    ("AuthenticAMD", 25, 17): "zen4-epyc",
+    ("AuthenticAMD", 26, 2): "zen5-epyc",
+    ("GenuineIntel", 6, 143): "xeon-spr",
+    ("GenuineIntel", 6, 167): "xeon-spr",
+    ("GenuineIntel", 6, 207): "xeon-emr",
+}
+
+
+def platform_name(device: str) -> str:
+    """The machine's directory under benchmarks/results: the GPU's name for "cuda" ("NVIDIA
+    H200" -> "h200"), else PLATFORMS' name of the CPU or "<vendor>-f<family>-m<model>"."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+        return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    cpu = cpu_info()
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(str(cpu["vendor"]), "cpu")
+    return PLATFORMS.get((cpu["vendor"], cpu["family"], cpu["model"]),
+                         f"{vendor}-f{cpu['family']}-m{cpu['model']}")
+
+
+_SHORT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
+                 torch.float64: "f64"}
+
+
+def variant_name(device: str, dtypes: Sequence[torch.dtype], settings: Sequence[str] = ()) -> str:
+    """What sets a run apart from its suite's default run on the same machine, "-"-joined ("" for
+    none): the CPU kernel ROPE_EXT_CPU_KERNEL forced ("avx2"), ROPE_EXT_STREAMING_STORES when
+    not auto ("stream", "no-stream"), the dtypes when bfloat16 is not among them ("f32"), then
+    the caller's `settings` (e.g. "system-heap"). Never a run number or a commit."""
+    parts = []
+    if device == "cpu":
+        if os.environ.get("ROPE_EXT_CPU_KERNEL"):
+            kernel = _native.build_info().get("cpu_kernel", "none")
+            parts.append(kernel.lower().replace("_", "-"))
+        streaming = _streaming_stores()
+        if streaming != "auto":
+            parts.append({"0": "no-stream", "1": "stream"}.get(streaming, f"stream-{streaming}"))
+    if torch.bfloat16 not in dtypes:
+        parts += [_SHORT_DTYPES.get(dt, str(dt).removeprefix("torch.")) for dt in dtypes]
+    return "-".join(parts + list(settings))
+
+
+def results_path(results_dir: Path, device: str, suite: str, variant: str) -> Path:
+    """results_dir/<platform>/<suite>[-<variant>], without a suffix: where a run's .json (and
+    .md, .csv, .png) go by default. Suites are named with hyphens (qk_norm -> qk-norm)."""
+    stem = suite.replace("_", "-") + (f"-{variant}" if variant else "")
+    return results_dir / platform_name(device) / stem
+
+
+def git_commit() -> str:
+    """`git rev-parse --short HEAD` of the tree this file sits in, or "unknown" outside one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def run_metadata(device: str, suite: str, variant: str, command: str, heap: str) -> dict:
+    """The fields every results JSON starts with (benchmarks/render_results.py's META_KEYS):
+    the platform, suite and variant of results_path, the date, commit, torch version, the CPU
+    (model name, family and model numbers, widest ISA), the rope_ext CPU kernel and whether
+    ROPE_EXT_CPU_KERNEL forced it, threads, heap, streaming stores, the GPU ("none" on a CPU
+    run) and the command, environment settings first."""
+    cpu = cpu_info()
+    return dict(platform=platform_name(device), suite=suite.replace("_", "-"), variant=variant,
+                date=datetime.date.today().isoformat(), commit=git_commit(),
+                torch=torch.__version__, cpu_model_name=cpu["model_name"],
+                cpu_family=cpu["family"], cpu_model=cpu["model"], cpu_isa=cpu["isa"],
+                cpu_kernel=_native.build_info().get("cpu_kernel", "none"),
+                cpu_kernel_forced=bool(os.environ.get("ROPE_EXT_CPU_KERNEL")),
+                threads=torch.get_num_threads(), heap=heap.removeprefix("heap: "),
+                streaming_stores=_streaming_stores(),
+                gpu=torch.cuda.get_device_name() if device == "cuda" else "none",
+                command=command)
+
+
+def command_line(script: str, argv: Sequence[str]) -> str:
+    """`python script argv...` as typed, preceded by the ROPE_EXT_* settings in the
+    environment (they choose the kernel and its stores)."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("ROPE_EXT_")]
+    return " ".join([*env, "python", script, *map(shlex.quote, argv)])
 
 
 def steady_heap() -> str:
