@@ -64,7 +64,7 @@ def test_gradients_match_eager_path(device, inplace, dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(got[0], want[0], **tol)
     # In-place calls recover x for the table's gradient by rotating the rounded output back,
-    # so in bfloat16 that gradient carries the output's rounding (documented in the README).
+    # so in bfloat16 that gradient carries the output's rounding (docs/guides/semantics.md).
     table_tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 or not inplace else \
         dict(atol=5e-2, rtol=1e-2)
     torch.testing.assert_close(got[1], want[1], **table_tol)

@@ -218,9 +218,10 @@ def test_choice_follows_aten_cpu_capability(capability, widest):
 
 
 def test_step_cycles_benchmark_builds_and_runs(tmp_path):
-    """benchmarks/cpu_step_cycles.cpp (the README's evidence for what bounds the fused norm on a
-    Zen 4) compiles with the flags of the command in its header and prints its two tables, each
-    row a positive cycle count, or says that the CPU has no AVX512_BF16."""
+    """benchmarks/cpu_step_cycles.cpp (what bounds the fused norm on a Zen 4: its results are
+    benchmarks/results/zen4-epyc/step-cycles.md) compiles with the flags of the command in its
+    header and prints its two tables, each row a positive cycle count, or says that the CPU
+    has no AVX512_BF16."""
     import re
     import shutil
     from pathlib import Path
