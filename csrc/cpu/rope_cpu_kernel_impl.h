@@ -229,9 +229,11 @@ inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
   if (kCheckNan && any_nan(low, high)) {
     return ((round_to_bf16_high(low) >> VecI(16)) & VecI(0xffff)) | round_to_bf16_high(high);
   }
-  const VecI lo = at::vec::cast<int32_t>(low);
-  const VecI hi = at::vec::cast<int32_t>(high);
+  // As raw registers: without optimisation some intrinsics are macros whose casts do not
+  // take ATen's vector class.
 #if defined(CPU_CAPABILITY_AVX512)
+  const __m512i lo = at::vec::cast<int32_t>(low);
+  const __m512i hi = at::vec::cast<int32_t>(high);
   const __m512i h = _mm512_mask_blend_epi16(0x55555555u, hi, _mm512_srli_epi32(lo, 16));
   const __m512i l = _mm512_mask_blend_epi16(0x55555555u, _mm512_slli_epi32(hi, 16), lo);
   // (H & 1) | 0x7ffe, as 0x7ffe's lowest bit is clear: one ternary-logic instruction.
@@ -239,6 +241,8 @@ inline VecI join_bf16_lanes(const VecF& low, const VecF& high) {
                                                  _mm512_set1_epi16(0x7ffe), 0xea);
   return _mm512_add_epi16(h, _mm512_srli_epi16(_mm512_avg_epu16(l, bias), 15));
 #else
+  const __m256i lo = at::vec::cast<int32_t>(low);
+  const __m256i hi = at::vec::cast<int32_t>(high);
   const __m256i h = _mm256_blend_epi16(hi, _mm256_srli_epi32(lo, 16), 0x55);
   const __m256i l = _mm256_blend_epi16(_mm256_slli_epi32(hi, 16), lo, 0x55);
   const __m256i bias = _mm256_add_epi16(_mm256_and_si256(h, _mm256_set1_epi16(1)),
