@@ -15,6 +15,8 @@ import rope_ext.hf  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 HEAD_DIM = 128
 PHI3_SHORT = [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)]
 PHI3_LONG = [1.0 + 0.9 * i for i in range(HEAD_DIM // 2)]

@@ -16,6 +16,8 @@ if int(transformers.__version__.split(".")[0]) < 5:
 import rope_ext  # noqa: E402
 import rope_ext.hf  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 IMAGE, VIDEO, START, END = 5, 6, 3, 4
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 

@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers")
 import rope_ext  # noqa: E402
 import rope_ext.hf  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 FAMILIES = ["qwen3", "qwen3_moe", "gemma3"]
 LAYERS = 2
 

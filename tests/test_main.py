@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 
 def test_main_job_reports_build_self_check_and_benchmark():
     run = subprocess.run([sys.executable, "-m", "rope_ext", "--seq", "64", "--no-compile"],
