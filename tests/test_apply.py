@@ -9,8 +9,6 @@ from rope_ext import reference
 
 from conftest import DTYPES, assert_matches_reference
 
-pytestmark = pytest.mark.numerics
-
 P, B, S, H, D = 64, 2, 11, 3, 32
 
 

@@ -132,3 +132,27 @@ def test_compile_precompute_and_functional(device):
     x = torch.randn(1, 8, 2, 16, device=device)
     torch.testing.assert_close(f(x), rope_ext.apply_rotary(x, rope_ext.precompute_freqs_cis(
         16, 8, device=device), interleaved=False))
+
+
+def test_export_saves_and_reloads(device, tmp_path):
+    """torch.export records the calls as torch.ops.rope_ext nodes, with a dynamic sequence
+    length; the saved program reloads and rotates as eager does at another length."""
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.view_as_real(rope_ext.precompute_freqs_cis(32, 64)))
+
+        def forward(self, q, k):
+            return rope_ext.apply_rotary_qk(q, k, self.table, interleaved=False)
+
+    model = Rope().to(device)
+    q, k = torch.randn(2, 12, 4, 32, device=device), torch.randn(2, 12, 2, 32, device=device)
+    seq = torch.export.Dim("seq", max=64)
+    program = torch.export.export(model, (q, k), dynamic_shapes=({1: seq}, {1: seq}))
+    assert any(str(node.target).startswith("rope_ext.") for node in program.graph.nodes)
+    torch.export.save(program, tmp_path / "rope.pt2")
+    loaded = torch.export.load(tmp_path / "rope.pt2").module()
+    q, k = torch.randn(2, 20, 4, 32, device=device), torch.randn(2, 20, 2, 32, device=device)
+    for got, want in zip(loaded(q, k), model(q, k)):
+        assert torch.equal(got, want)

@@ -13,8 +13,6 @@ import torch
 
 import rope_ext
 
-pytestmark = pytest.mark.numerics
-
 emulation = torch.ops.rope_ext._cuda_emulation
 H200 = (132, 3)  # SMs, and blocks per SM of the vector kernels (their launch bounds)
 SMALL_GPU = (1, 1)  # one resident block: every thread strides over many blocks

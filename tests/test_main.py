@@ -20,6 +20,8 @@ def test_main_job_reports_build_self_check_and_benchmark():
                      "eager complex (LLaMA)"):
         assert f"| {provider} |" in out
     assert "GB/s" in out
+    # Measured as benchmarks/bench_rope.py measures, and said so.
+    assert "benchmark         : " in out and "heap: " in out
 
 
 def test_kv_cache_example_runs():

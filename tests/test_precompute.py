@@ -7,8 +7,6 @@ from rope_ext import reference
 
 from conftest import DEVICES
 
-pytestmark = pytest.mark.numerics
-
 
 def exact_entry(t: int, i: int, dim: int, theta: float) -> tuple[float, float]:
     mpmath.mp.prec = 128

@@ -12,8 +12,6 @@ from rope_ext import reference
 
 from conftest import DEVICES, TOLERANCES
 
-pytestmark = pytest.mark.numerics
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 HEAD_DIMS = [2, 3, 4, 6, 8, 10, 16, 18, 32, 40, 72, 80, 96, 128]
 

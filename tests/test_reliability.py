@@ -10,8 +10,6 @@ from rope_ext import reference
 
 from conftest import DTYPES, assert_matches_reference
 
-pytestmark = pytest.mark.numerics
-
 
 def inputs(dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
