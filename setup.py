@@ -5,6 +5,8 @@ Environment:
   ROPE_EXT_CUDA=1|0        force / disable the CUDA kernels (default: auto)
   TORCH_CUDA_ARCH_LIST     CUDA archs, e.g. "9.0" (default: 8.0;8.6;8.9;9.0+PTX)
   ROPE_EXT_SANITIZE=1      build with AddressSanitizer and UndefinedBehaviorSanitizer
+  ROPE_EXT_AVX512=0        leave the AVX-512 CPU kernels out (x86; for a build that only ever
+                           runs on processors without AVX-512, e.g. a sanitized test build)
   MAX_JOBS                 parallel compile jobs (ninja)
 """
 
@@ -72,11 +74,24 @@ def want_cuda() -> bool:
     return True
 
 
+def want_avx512() -> bool:
+    value = os.environ.get("ROPE_EXT_AVX512", "1")
+    if value not in ("0", "1"):
+        raise SystemExit(f"ROPE_EXT_AVX512 must be 0 or 1, got {value!r}")
+    return X86 and value == "1"
+
+
+def isa_kernel_sources() -> list[str]:
+    """The per-instruction-set kernel sources this build compiles."""
+    if not X86:
+        return []
+    return [src for src in ISA_FLAGS if want_avx512() or "avx512" not in src]
+
+
 def sources(with_cuda: bool) -> list[str]:
     files = [str(p) for p in sorted(CSRC.glob("*.cpp"))]
     files += [str(CSRC / "cpu" / "rope_cpu.cpp"), str(CSRC / "cpu" / "rope_cpu_kernel_default.cpp")]
-    if X86:
-        files += list(ISA_FLAGS)
+    files += isa_kernel_sources()
     files.append(str(CSRC / "cuda" / "rope_cuda_emulate.cpp"))  # the CUDA kernels on the host
     files.append(str(CSRC / "cuda" / ("rope_cuda.cu" if with_cuda else "no_cuda.cpp")))
     return files
@@ -100,7 +115,7 @@ def persistent_build_temp(build_temp: str) -> str:
         f"torch{torch.__version__.replace('+', '_')}",
         "cuda" if WITH_CUDA else "cpu",
         "san" if os.environ.get("ROPE_EXT_SANITIZE") == "1" else "release",
-    ])
+    ] + ([] if want_avx512() or not X86 else ["noavx512"]))
     return str(ROOT.resolve() / "build" / f"temp-{config}")
 
 
@@ -210,7 +225,9 @@ def extension():
     link = ["-fopenmp"]
     macros = []
     if X86:
-        macros += [("ROPE_EXT_HAVE_AVX2", None), ("ROPE_EXT_HAVE_AVX512", None)]
+        macros.append(("ROPE_EXT_HAVE_AVX2", None))
+    if want_avx512():
+        macros.append(("ROPE_EXT_HAVE_AVX512", None))
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         macros.append(("ROPE_EXT_WITH_CUDA", None))
