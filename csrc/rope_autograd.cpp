@@ -302,6 +302,93 @@ void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at
   torch::autograd::increment_version(k);
 }
 
+// The fused RoPE + KV-cache write (kv_cache_ops.h) is an inference op: no gradient. Its
+// autograd kernels refuse inputs that need one, refuse caches Inductor would write at the
+// wrong place, and write an in-place q at a symbolic storage offset through copy_, as the
+// in-place rotations above do.
+using KvOptional = const std::optional<at::Tensor>&;
+using KvCacheSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, KvOptional, c10::SymInt, int64_t, bool,
+                              c10::string_view, KvOptional, KvOptional, KvOptional, KvOptional,
+                              double, double);
+using KvCacheInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, KvOptional, c10::SymInt, int64_t, bool,
+                               c10::string_view, KvOptional, KvOptional, KvOptional, KvOptional,
+                               double, double);
+
+void check_kv_cache_call(const char* op, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& table, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, KvOptional q_weight, KvOptional k_weight) {
+  const bool grads = at::GradMode::is_enabled() &&
+                     (any_requires_grad({q, k, v, table}) ||
+                      (q_weight.has_value() && q_weight->requires_grad()) ||
+                      (k_weight.has_value() && k_weight->requires_grad()));
+  TORCH_CHECK(!grads, op, ": an inference op, it has no gradient; call it under "
+              "torch.no_grad() or torch.inference_mode(), or on tensors that do not require "
+              "grad");
+  for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache},
+                                    {"v_cache", &v_cache}}) {
+    TORCH_CHECK_VALUE(
+        !autograd::at_symbolic_offset(*cache), op, ": ", name, " is a view at a storage offset "
+        "that depends on dynamic shapes (a slice of a larger buffer, under torch.compile with "
+        "dynamic shapes), which Inductor would write at the start of the buffer "
+        "(pytorch/pytorch#198068): give each layer a cache tensor of its own, or keep the "
+        "buffer's sizes static (torch._dynamo.mark_static)");
+  }
+}
+
+at::Tensor kv_cache_functional(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& table, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& slots,
+                               KvOptional positions, c10::SymInt offset, int64_t seq_dim,
+                               bool interleaved, c10::string_view cache_layout,
+                               KvOptional k_scale, KvOptional v_scale, KvOptional q_weight,
+                               KvOptional k_weight, double eps, double weight_offset) {
+  check_kv_cache_call("rotary_kv_cache_update", q, k, v, table, k_cache, v_cache, q_weight,
+                      k_weight);
+  static const auto op = find_op<KvCacheSig>("rope_ext::rotary_kv_cache_update");
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = op.call(q, k, v, table, k_cache, v_cache, slots, positions, std::move(offset),
+                  seq_dim, interleaved, cache_layout, k_scale, v_scale, q_weight, k_weight, eps,
+                  weight_offset);
+  }
+  torch::autograd::increment_version(k_cache);
+  torch::autograd::increment_version(v_cache);
+  return out;
+}
+
+void kv_cache_inplace(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& table, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& slots, KvOptional positions,
+                      c10::SymInt offset, int64_t seq_dim, bool interleaved,
+                      c10::string_view cache_layout, KvOptional k_scale, KvOptional v_scale,
+                      KvOptional q_weight, KvOptional k_weight, double eps,
+                      double weight_offset) {
+  constexpr const char* name = "rotary_kv_cache_update_";
+  check_kv_cache_call(name, q, k, v, table, k_cache, v_cache, q_weight, k_weight);
+  if (autograd::at_symbolic_offset(q)) {
+    autograd::check_inplace_targets(name, {q});
+    q.copy_(kv_cache_functional(q, k, v, table, k_cache, v_cache, slots, positions,
+                                std::move(offset), seq_dim, interleaved, cache_layout, k_scale,
+                                v_scale, q_weight, k_weight, eps, weight_offset));
+    return;
+  }
+  static const auto op = find_op<KvCacheInplaceSig>("rope_ext::rotary_kv_cache_update_");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(q, k, v, table, k_cache, v_cache, slots, positions, std::move(offset), seq_dim,
+            interleaved, cache_layout, k_scale, v_scale, q_weight, k_weight, eps,
+            weight_offset);
+  }
+  torch::autograd::increment_version(q);
+  torch::autograd::increment_version(k_cache);
+  torch::autograd::increment_version(v_cache);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) {
@@ -309,6 +396,8 @@ TORCH_LIBRARY_IMPL(rope_ext, Autograd, m) {
   m.impl("apply_rotary_qk", &apply_rotary_qk_functional);
   m.impl("apply_rotary_", &apply_rotary_autograd);
   m.impl("apply_rotary_qk_", &apply_rotary_qk_autograd);
+  m.impl("rotary_kv_cache_update", &kv_cache_functional);
+  m.impl("rotary_kv_cache_update_", &kv_cache_inplace);
 }
 
 }  // namespace rope_ext

@@ -271,12 +271,13 @@ std::string describe(const at::Tensor& t) {
 
 }  // namespace
 
-void check_inplace_target(const char* op, const char* name, const at::Tensor& x) {
+void check_inplace_target(const char* op, const char* name, const at::Tensor& x,
+                          const char* needs, const char* fix) {
   for (int64_t d = 0; d < x.dim(); ++d) {
     TORCH_CHECK_VALUE(
         x.stride(d) != 0 || x.size(d) <= 1, op, ": ", name, " has overlapping memory (dim ", d,
-        " of size ", x.size(d), " has stride 0, e.g. from expand); an in-place call needs "
-        "distinct elements, use the out-of-place op");
+        " of size ", x.size(d), " has stride 0, e.g. from expand); ", needs,
+        " distinct elements, ", fix);
   }
   if (x.numel() == 0) {
     return;
@@ -284,26 +285,31 @@ void check_inplace_target(const char* op, const char* name, const at::Tensor& x)
   int64_t budget = kOverlapBudget;
   const bool overlap = internal_overlap(Layout(x), 0, budget);
   TORCH_CHECK_VALUE(budget >= 0, op, ": cannot prove that the elements of ", name,
-                    " are distinct (", describe(x), "); an in-place call needs that: make it "
-                    "contiguous or use the out-of-place op");
+                    " are distinct (", describe(x), "); ", needs, " that: make it "
+                    "contiguous or ", fix);
   TORCH_CHECK_VALUE(!overlap, op, ": ", name, " has overlapping memory (", describe(x),
-                    ": two of its elements share memory); an in-place call needs distinct "
-                    "elements, use the out-of-place op");
+                    ": two of its elements share memory); ", needs, " distinct elements, ",
+                    fix);
 }
 
-void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k) {
-  if (q.numel() == 0 || k.numel() == 0 || !q.is_alias_of(k)) {
+void check_disjoint(const char* op, const char* a_name, const at::Tensor& a, const char* b_name,
+                    const at::Tensor& b, const char* needs, const char* fix) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) {
     return;
   }
   const int64_t delta =
-      k.storage_offset() * k.element_size() - q.storage_offset() * q.element_size();
+      b.storage_offset() * b.element_size() - a.storage_offset() * a.element_size();
   int64_t budget = kOverlapBudget;
-  const bool overlap = may_overlap(Layout(q), 0, Layout(k), 0, delta, budget);
-  TORCH_CHECK_VALUE(budget >= 0, op, ": cannot prove that q and k are disjoint in memory (q: ",
-                    describe(q), "; k: ", describe(k), "); an in-place call needs that: make "
-                    "them contiguous or use the out-of-place op");
-  TORCH_CHECK_VALUE(
-      !overlap, op, ": q and k overlap in memory; an in-place call needs them disjoint");
+  const bool overlap = may_overlap(Layout(a), 0, Layout(b), 0, delta, budget);
+  TORCH_CHECK_VALUE(budget >= 0, op, ": cannot prove that ", a_name, " and ", b_name,
+                    " are disjoint in memory (", a_name, ": ", describe(a), "; ", b_name, ": ",
+                    describe(b), "); ", needs, " that: make them contiguous or ", fix);
+  TORCH_CHECK_VALUE(!overlap, op, ": ", a_name, " and ", b_name, " overlap in memory; ", needs,
+                    " them disjoint");
+}
+
+void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k) {
+  check_disjoint(op, "q", q, "k", k, "an in-place call needs", "use the out-of-place op");
 }
 
 void check_inplace_call(const char* op, c10::ArrayRef<at::Tensor> targets) {

@@ -30,8 +30,15 @@ int64_t check_apply_args(
 // check_apply_args returns it), on their rank, batch and sequence dims.
 void check_qk_pair(const char* op, const at::Tensor& q, const at::Tensor& k, int64_t seq_dim);
 
-// An in-place call needs every element of x to be distinct memory.
-void check_inplace_target(const char* op, const char* name, const at::Tensor& x);
+// An in-place call needs every element of x to be distinct memory. `needs` and `fix` word the
+// message for other writes (the KV-cache op's caches).
+void check_inplace_target(const char* op, const char* name, const at::Tensor& x,
+                          const char* needs = "an in-place call needs",
+                          const char* fix = "use the out-of-place op");
+
+// a and b share no memory: "<op>: <a> and <b> overlap in memory; <needs> them disjoint".
+void check_disjoint(const char* op, const char* a_name, const at::Tensor& a, const char* b_name,
+                    const at::Tensor& b, const char* needs, const char* fix);
 
 // In-place q and k must not write to the same elements.
 void check_qk_disjoint(const char* op, const at::Tensor& q, const at::Tensor& k);

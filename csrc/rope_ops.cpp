@@ -66,6 +66,25 @@ TORCH_LIBRARY(rope_ext, m) {
         ROPE_EXT_NORM_ARGS ") -> (Tensor, Tensor, Tensor, Tensor)");
 #undef ROPE_EXT_NORM_ARGS
 
+  // Fused RoPE + KV-cache write (csrc/kv_cache.h): q rotated (and normed with q_weight), each
+  // token's k row normed (k_weight), rotated and written to its slot of k_cache, its v row
+  // written unrotated to v_cache; k and v are read only. q, k, v: [B, S, H, D] (seq_dim 1),
+  // [B, H, S, D] (seq_dim 2) or [T, H, D] (seq_dim 0), one dtype, H_q and H_kv heads, v's
+  // head_dim may differ. Caches [num_blocks, block_size, H_kv, D] ("NHD") or [num_blocks,
+  // H_kv, block_size, D] ("HND"), q's dtype or float8 (e4m3fn, e5m2) with float32 k_scale /
+  // v_scale of 1 or H_kv values (stored: saturate(x / scale), rounded once). slots and
+  // positions: one per token, broadcastable to k.shape[:-1] with size 1 along the heads; slot
+  // = block * block_size + index in block, negative: not written.
+#define ROPE_EXT_KV_ARGS                                                                      \
+  "Tensor k, Tensor v, Tensor freqs_cis, Tensor(b!) k_cache, Tensor(c!) v_cache, "           \
+  "Tensor slots, Tensor? positions=None, SymInt offset=0, int seq_dim=1, "                   \
+  "bool interleaved=True, str cache_layout=\"NHD\", Tensor? k_scale=None, "                  \
+  "Tensor? v_scale=None, Tensor? q_weight=None, Tensor? k_weight=None, float eps=1e-06, "    \
+  "float weight_offset=0.0"
+  m.def("rotary_kv_cache_update(Tensor q, " ROPE_EXT_KV_ARGS ") -> Tensor");
+  m.def("rotary_kv_cache_update_(Tensor(a!) q, " ROPE_EXT_KV_ARGS ") -> ()");
+#undef ROPE_EXT_KV_ARGS
+
   // The checks of an in-place call's targets (x, or q and k), under op's name: each distinct
   // memory, q and k disjoint. The ops' autograd kernels call it where they write through
   // copy_ instead of the in-place op (csrc/autograd_common.h).

@@ -28,6 +28,7 @@ from .api import (
 )
 
 from .qk_norm import rms_norm_rotary_qk
+from .kv_cache import rotary_kv_cache_update, static_cache_slots
 
 build_info = _native.build_info
 
@@ -42,5 +43,7 @@ __all__ = [
     "precompute_freqs_cis",
     "rms_norm_rotary_qk",
     "rope_frequencies",
+    "rotary_kv_cache_update",
+    "static_cache_slots",
 ]
 __version__ = "0.1.0"

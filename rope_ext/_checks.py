@@ -55,6 +55,8 @@ _C10_NAMES = {
     torch.complex32: "ComplexHalf",
     torch.complex64: "ComplexFloat",
     torch.complex128: "ComplexDouble",
+    torch.float8_e4m3fn: "Float8_e4m3fn",
+    torch.float8_e5m2: "Float8_e5m2",
 }
 
 
@@ -412,14 +414,15 @@ def _describe(t: torch.Tensor) -> str:
     return f"sizes {list(t.shape)}, strides {list(t.stride())}"
 
 
-def check_inplace_target(op: str, name: str, x: torch.Tensor) -> None:
+def check_inplace_target(op: str, name: str, x: torch.Tensor,
+                         needs: str = "an in-place call needs",
+                         fix: str = "use the out-of-place op") -> None:
     for d in range(x.dim()):
         _check(
             ValueError,
             x.stride(d) != 0 or x.shape[d] <= 1,
             lambda d=d: f"{op}: {name} has overlapping memory (dim {d} of size {x.shape[d]} has "
-            "stride 0, e.g. from expand); an in-place call needs distinct elements, use the "
-            "out-of-place op",
+            f"stride 0, e.g. from expand); {needs} distinct elements, {fix}",
         )
     if x.numel() == 0 or not _concrete(x):
         return
@@ -429,43 +432,51 @@ def check_inplace_target(op: str, name: str, x: torch.Tensor) -> None:
         ValueError,
         budget[0] >= 0,
         lambda: f"{op}: cannot prove that the elements of {name} are distinct ({_describe(x)}); "
-        "an in-place call needs that: make it contiguous or use the out-of-place op",
+        f"{needs} that: make it contiguous or {fix}",
     )
     _check(
         ValueError,
         not overlap,
         lambda: f"{op}: {name} has overlapping memory ({_describe(x)}: two of its elements "
-        "share memory); an in-place call needs distinct elements, use the out-of-place op",
+        f"share memory); {needs} distinct elements, {fix}",
     )
 
 
-def check_qk_disjoint(op: str, q: torch.Tensor, k: torch.Tensor) -> None:
-    if q.numel() == 0 or k.numel() == 0 or not torch._C._is_alias_of(q, k):
+def check_disjoint(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor,
+                   needs: str, fix: str) -> None:
+    """a and b share no memory (csrc/rope_checks.cpp's check_disjoint)."""
+    if a.numel() == 0 or b.numel() == 0 or not torch._C._is_alias_of(a, b):
         return
-    if not _concrete(q, k):  # a dynamic-shape trace: the dense case, the op checks the rest
-        if _dense(q) and _dense(k):
-            q_begin, k_begin = q.storage_offset(), k.storage_offset()
+    if not _concrete(a, b):  # a dynamic-shape trace: the dense case, the op checks the rest
+        if _dense(a) and _dense(b):
+            a_begin = a.storage_offset() * a.element_size()
+            b_begin = b.storage_offset() * b.element_size()
             _check(
                 ValueError,
-                not (q_begin < k_begin + k.numel() and k_begin < q_begin + q.numel()),
-                lambda: f"{op}: q and k overlap in memory; an in-place call needs them disjoint",
+                not (a_begin < b_begin + b.numel() * b.element_size()
+                     and b_begin < a_begin + a.numel() * a.element_size()),
+                lambda: f"{op}: {a_name} and {b_name} overlap in memory; {needs} them disjoint",
             )
         return
-    delta = k.storage_offset() * k.element_size() - q.storage_offset() * q.element_size()
+    delta = b.storage_offset() * b.element_size() - a.storage_offset() * a.element_size()
     budget = [_OVERLAP_BUDGET]
-    overlap = _may_overlap(_Layout(q), 0, _Layout(k), 0, delta, budget)
+    overlap = _may_overlap(_Layout(a), 0, _Layout(b), 0, delta, budget)
     _check(
         ValueError,
         budget[0] >= 0,
-        lambda: f"{op}: cannot prove that q and k are disjoint in memory (q: {_describe(q)}; "
-        f"k: {_describe(k)}); an in-place call needs that: make them contiguous or use the "
-        "out-of-place op",
+        lambda: f"{op}: cannot prove that {a_name} and {b_name} are disjoint in memory "
+        f"({a_name}: {_describe(a)}; {b_name}: {_describe(b)}); {needs} that: make them "
+        f"contiguous or {fix}",
     )
     _check(
         ValueError,
         not overlap,
-        lambda: f"{op}: q and k overlap in memory; an in-place call needs them disjoint",
+        lambda: f"{op}: {a_name} and {b_name} overlap in memory; {needs} them disjoint",
     )
+
+
+def check_qk_disjoint(op: str, q: torch.Tensor, k: torch.Tensor) -> None:
+    check_disjoint(op, "q", q, "k", k, "an in-place call needs", "use the out-of-place op")
 
 
 def check_positions_in_range(op: str, positions: torch.Tensor, offset: int, rows: int) -> None:
@@ -522,3 +533,214 @@ def check_freqs_table(out: torch.Tensor, inv_freq: torch.Tensor) -> None:
         inv_freq.device == out.device,
         lambda: f"{op}: inv_freq is on {inv_freq.device} but out is on {out.device}",
     )
+
+
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _per_token(sizes, lead, heads_dim: int) -> bool:
+    """Whether a tensor of `sizes` broadcasts to k's leading dims `lead` with size 1 (or no
+    dim) at heads_dim: one value per token."""
+    if len(sizes) > len(lead):
+        return False
+    for i in range(1, len(sizes) + 1):
+        d = len(lead) - i
+        if not (sizes[-i] == 1 or (sizes[-i] == lead[d] and d != heads_dim)):
+            return False
+    return True
+
+
+def _check_cache(op, name, cache, hnd, q, x, x_name, heads, scale, scale_name) -> None:
+    layout = "H_kv, block_size" if hnd else "block_size, H_kv"
+    _check(
+        ValueError,
+        cache.dim() == 4,
+        lambda: f"{op}: {name} must have 4 dims, [num_blocks, {layout}, head_dim] for "
+        f"cache_layout=\"{'HND' if hnd else 'NHD'}\", got shape {list(cache.shape)}",
+    )
+    _check(ValueError, cache.device == q.device,
+           lambda: f"{op}: {name} is on {cache.device} but q is on {q.device}")
+    _check(
+        TypeError,
+        cache.dtype == q.dtype or cache.dtype in FLOAT8_DTYPES,
+        lambda: f"{op}: {name} must have q's dtype ({dtype_name(q.dtype)}) or be float8_e4m3fn "
+        f"or float8_e5m2, got {dtype_name(cache.dtype)}",
+    )
+    head_dim = 1 if hnd else 2
+    _check(
+        ValueError,
+        cache.shape[head_dim] == heads,
+        lambda: f"{op}: {name} holds {cache.shape[head_dim]} heads (dim {head_dim}) but "
+        f"{x_name} has {heads}",
+    )
+    _check(
+        ValueError,
+        cache.shape[3] == x.shape[-1],
+        lambda: f"{op}: {name}'s head_dim {cache.shape[3]} differs from {x_name}'s "
+        f"{x.shape[-1]}",
+    )
+    _check(
+        ValueError,
+        cache.stride(3) == 1 or cache.shape[3] <= 1,
+        lambda: f"{op}: {name} must have contiguous features (stride 1 along head_dim), got "
+        f"strides {list(cache.stride())}",
+    )
+    if cache.dtype not in FLOAT8_DTYPES:
+        _check(
+            ValueError,
+            scale is None,
+            lambda: f"{op}: {scale_name} is only for float8 caches; {name} is "
+            f"{dtype_name(cache.dtype)}",
+        )
+        return
+    _check(ValueError, scale is not None,
+           lambda: f"{op}: a float8 {name} needs {scale_name} (float32, 1 value or one per head)")
+    _check(TypeError, scale.dtype == torch.float32,
+           lambda: f"{op}: {scale_name} must be float32, got {dtype_name(scale.dtype)}")
+    _check(
+        ValueError,
+        scale.dim() <= 1 and (scale.numel() == 1 or scale.numel() == heads),
+        lambda: f"{op}: {scale_name} must hold 1 value or one per head ({heads}), got shape "
+        f"{list(scale.shape)}",
+    )
+    _check(ValueError, scale.device == q.device,
+           lambda: f"{op}: {scale_name} is on {scale.device} but q is on {q.device}")
+
+
+def check_kv_cache_args(op, q, k, v, table, k_cache, v_cache, slots, positions, offset,
+                        seq_dim, cache_layout, k_scale, v_scale, q_weight, k_weight, eps,
+                        inplace: bool) -> int:
+    """The checks of the fused RoPE + KV-cache write, in csrc/kv_cache_ops.cpp's order.
+    Returns the heads dim of q and k."""
+    _check(
+        ValueError,
+        q.dim() in (3, 4),
+        lambda: f"{op}: q must have 3 or 4 dims ([T, H, D], [B, S, H, D] or [B, H, S, D]), "
+        f"got {q.dim()}",
+    )
+    ndim = q.dim()
+    sd = seq_dim + ndim if seq_dim < 0 else seq_dim
+    _check(
+        ValueError,
+        0 <= sd <= ndim - 2,
+        lambda: f"{op}: seq_dim must name a dim of q other than the last, in [{-ndim}, -2] or "
+        f"[0, {ndim - 2}], got {seq_dim}",
+    )
+    heads_dim = ndim - 3 if sd == ndim - 2 else ndim - 2
+    check_qk_args(op, q, k, table, positions, offset, seq_dim)
+    _check(
+        TypeError,
+        k.dtype == q.dtype and v.dtype == q.dtype,
+        lambda: f"{op}: q, k and v must have one dtype, got {dtype_name(q.dtype)}, "
+        f"{dtype_name(k.dtype)} and {dtype_name(v.dtype)}",
+    )
+    _check(
+        ValueError,
+        k.dim() == ndim and v.dim() == ndim,
+        lambda: f"{op}: q, k and v must have the same number of dims, got {ndim}, {k.dim()} and "
+        f"{v.dim()}",
+    )
+    for d in range(ndim):
+        if d != heads_dim:
+            _check(
+                ValueError,
+                q.shape[d] == k.shape[d],
+                lambda: f"{op}: q and k must agree on every dim but the heads (dim {heads_dim}), "
+                f"got shapes {list(q.shape)} and {list(k.shape)}",
+            )
+    for d in range(ndim - 1):
+        _check(
+            ValueError,
+            v.shape[d] == k.shape[d],
+            lambda: f"{op}: v must match k on every dim but head_dim, got shapes "
+            f"{list(v.shape)} and {list(k.shape)}",
+        )
+    _check(ValueError, v.device == q.device,
+           lambda: f"{op}: v is on {v.device} but q is on {q.device}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(
+            ValueError,
+            t.stride(-1) == 1 or t.shape[-1] <= 1,
+            lambda name=name, t=t: f"{op}: {name} must have contiguous features (stride 1 "
+            f"along head_dim), got strides {list(t.stride())}",
+        )
+    _check(
+        ValueError,
+        cache_layout in ("NHD", "HND"),
+        lambda: f"{op}: cache_layout must be \"NHD\" or \"HND\", got \"{cache_layout}\"",
+    )
+    hnd = cache_layout == "HND"
+    heads = k.shape[heads_dim]
+    _check_cache(op, "k_cache", k_cache, hnd, q, k, "k", heads, k_scale, "k_scale")
+    _check_cache(op, "v_cache", v_cache, hnd, q, v, "v", heads, v_scale, "v_scale")
+    block_dim = 2 if hnd else 1
+    _check(
+        ValueError,
+        v_cache.shape[0] == k_cache.shape[0] and v_cache.shape[block_dim] == k_cache.shape[block_dim],
+        lambda: f"{op}: k_cache and v_cache must have the same num_blocks and block_size, got "
+        f"shapes {list(k_cache.shape)} and {list(v_cache.shape)}",
+    )
+    lead = list(k.shape[:-1])
+    _check(
+        TypeError,
+        slots.dtype in POSITION_DTYPES,
+        lambda: f"{op}: slots must be an int32 or int64 tensor, got {dtype_name(slots.dtype)}",
+    )
+    _check(ValueError, slots.device == q.device,
+           lambda: f"{op}: slots is on {slots.device} but q is on {q.device}")
+    _check(
+        ValueError,
+        _per_token(list(slots.shape), lead, heads_dim),
+        lambda: f"{op}: slots of shape {list(slots.shape)} must broadcast to k.shape[:-1] = "
+        f"{lead} with size 1 along the heads (dim {heads_dim}): one slot per token",
+    )
+    if positions is not None:
+        _check(
+            ValueError,
+            _per_token(list(positions.shape), lead, heads_dim),
+            lambda: f"{op}: positions of shape {list(positions.shape)} must broadcast to "
+            f"k.shape[:-1] = {lead} with size 1 along the heads (dim {heads_dim}): one position "
+            "per token",
+        )
+    _check(
+        ValueError,
+        (q_weight is None) == (k_weight is None),
+        lambda: f"{op}: q_weight and k_weight go together (the fused QK-norm), got only "
+        f"{'q_weight' if q_weight is not None else 'k_weight'}",
+    )
+    if q_weight is not None:
+        check_norm_weight(op, "q_weight", q_weight, "q", q)
+        check_norm_weight(op, "k_weight", k_weight, "k", k)
+        check_norm_eps(op, eps)
+    cache_needs, cache_fix = "the cache write needs", "pass caches whose elements are distinct"
+    check_inplace_target(op, "k_cache", k_cache, cache_needs, cache_fix)
+    check_inplace_target(op, "v_cache", v_cache, cache_needs, cache_fix)
+    if inplace:
+        check_inplace_target(op, "q", q)
+    needs, fix = "the call needs", "pass tensors that do not share memory"
+    check_disjoint(op, "k_cache", k_cache, "v_cache", v_cache, needs, fix)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_disjoint(op, name, t, "k_cache", k_cache, needs, fix)
+        check_disjoint(op, name, t, "v_cache", v_cache, needs, fix)
+    if inplace:
+        check_disjoint(op, "q", q, "k", k, needs, fix)
+        check_disjoint(op, "q", q, "v", v, needs, fix)
+    return heads_dim
+
+
+def check_slots_in_range(op: str, slots: torch.Tensor, num_slots: int) -> None:
+    """The slots' values (the eager fallback's check; the CPU op makes its own): below
+    num_blocks * block_size, and no non-negative slot twice."""
+    flat = slots.reshape(-1).long()
+    if flat.numel() == 0:
+        return
+    top = int(flat.max())
+    _check(IndexError, top < num_slots,
+           lambda: f"{op}: slots must be < num_blocks * block_size = {num_slots} (negative slots "
+           f"write nothing), got {top}")
+    used = flat[flat >= 0]
+    unique, counts = torch.unique(used, return_counts=True)
+    twice = unique[counts > 1]
+    _check(ValueError, twice.numel() == 0,
+           lambda: f"{op}: slot {int(twice[0])} is given to two tokens of one call; each token "
+           "needs its own slot")

@@ -122,3 +122,30 @@ def _(grad_q, grad_k, q, k, q_weight, k_weight, freqs_cis, positions=None, offse
 
     return (input_grad(grad_q, q), input_grad(grad_k, k), torch.empty_like(q_weight),
             torch.empty_like(k_weight))
+
+
+def _kv_cache_fake(op, inplace, q, k, v, freqs_cis, k_cache, v_cache, slots, positions, offset,
+                   seq_dim, interleaved, cache_layout, k_scale, v_scale, q_weight, k_weight,
+                   eps, weight_offset):
+    _checks.check_kv_cache_args(op, q, k, v, freqs_cis, k_cache, v_cache, slots, positions,
+                                offset, seq_dim, cache_layout, k_scale, v_scale, q_weight,
+                                k_weight, eps, inplace)
+
+
+@torch.library.register_fake("rope_ext::rotary_kv_cache_update")
+def _(q, k, v, freqs_cis, k_cache, v_cache, slots, positions=None, offset=0, seq_dim=1,
+      interleaved=True, cache_layout="NHD", k_scale=None, v_scale=None, q_weight=None,
+      k_weight=None, eps=1e-6, weight_offset=0.0):
+    _kv_cache_fake("rotary_kv_cache_update", False, q, k, v, freqs_cis, k_cache, v_cache, slots,
+                   positions, offset, seq_dim, interleaved, cache_layout, k_scale, v_scale,
+                   q_weight, k_weight, eps, weight_offset)
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("rope_ext::rotary_kv_cache_update_")
+def _(q, k, v, freqs_cis, k_cache, v_cache, slots, positions=None, offset=0, seq_dim=1,
+      interleaved=True, cache_layout="NHD", k_scale=None, v_scale=None, q_weight=None,
+      k_weight=None, eps=1e-6, weight_offset=0.0):
+    _kv_cache_fake("rotary_kv_cache_update_", True, q, k, v, freqs_cis, k_cache, v_cache, slots,
+                   positions, offset, seq_dim, interleaved, cache_layout, k_scale, v_scale,
+                   q_weight, k_weight, eps, weight_offset)

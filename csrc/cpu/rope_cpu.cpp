@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include "../kv_cache_ops.h"
 #include "../qk_norm_ops.h"
 #include "../rope_backend.h"
 #include "../rope_build.h"
@@ -30,6 +31,7 @@ namespace {
 struct KernelChoice {
   RotaryKernel kernel;
   NormRotaryKernel norm_kernel;
+  KvCacheKernel kv_kernel;
   const char* name;
 };
 
@@ -50,13 +52,17 @@ bool cpu_has(const std::string& variant) {
 // (torch honours ATEN_CPU_CAPABILITY=default|avx2|avx512). ROPE_EXT_CPU_KERNEL names a
 // variant outright (DEFAULT, AVX2, AVX512, AVX512_BF16), for tests and comparisons.
 KernelChoice choose_kernel() {
-  std::vector<KernelChoice> built = {{DEFAULT::rotary_kernel, DEFAULT::norm_rotary_kernel, "DEFAULT"}};
+  std::vector<KernelChoice> built = {{DEFAULT::rotary_kernel, DEFAULT::norm_rotary_kernel, DEFAULT::kv_cache_kernel,
+                    "DEFAULT"}};
 #if defined(ROPE_EXT_HAVE_AVX2)
-  built.push_back({AVX2::rotary_kernel, AVX2::norm_rotary_kernel, "AVX2"});
+  built.push_back({AVX2::rotary_kernel, AVX2::norm_rotary_kernel, AVX2::kv_cache_kernel,
+                    "AVX2"});
 #endif
 #if defined(ROPE_EXT_HAVE_AVX512)
-  built.push_back({AVX512::rotary_kernel, AVX512::norm_rotary_kernel, "AVX512"});
-  built.push_back({AVX512_BF16::rotary_kernel, AVX512_BF16::norm_rotary_kernel, "AVX512_BF16"});
+  built.push_back({AVX512::rotary_kernel, AVX512::norm_rotary_kernel, AVX512::kv_cache_kernel,
+                    "AVX512"});
+  built.push_back({AVX512_BF16::rotary_kernel, AVX512_BF16::norm_rotary_kernel, AVX512_BF16::kv_cache_kernel,
+                    "AVX512_BF16"});
 #endif
   if (const char* forced = std::getenv("ROPE_EXT_CPU_KERNEL")) {
     for (const auto& k : built) {
@@ -465,8 +471,37 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
   });
 }
 
+void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
+                     c10::Device) {
+  kernel_choice().kv_kernel(p, x_dtype, table_dtype);
+}
+
+// Slots (one per token) below num_slots, and no non-negative slot twice: two tokens written to
+// one slot would leave whichever a thread wrote last.
+void check_slots(const char* op, const at::Tensor& slots, int64_t num_slots) {
+  const at::Tensor flat = slots.to(at::kLong).contiguous();  // a copy: never written
+  const int64_t n = flat.numel();
+  std::vector<int64_t> used;
+  used.reserve(n);
+  const int64_t* s = flat.const_data_ptr<int64_t>();
+  int64_t top = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    top = std::max(top, s[i]);
+    if (s[i] >= 0) {
+      used.push_back(s[i]);
+    }
+  }
+  TORCH_CHECK_INDEX(top < num_slots, op, ": slots must be < num_blocks * block_size = ",
+                    num_slots, " (negative slots write nothing), got ", top);
+  std::sort(used.begin(), used.end());
+  const auto twice = std::adjacent_find(used.begin(), used.end());
+  TORCH_CHECK_VALUE(twice == used.end(), op, ": slot ", twice == used.end() ? 0 : *twice,
+                    " is given to two tokens of one call; each token needs its own slot");
+}
+
 constexpr Backend kCpu{&launch, &check_positions, &fill_freqs_cis};
 constexpr NormBackend kCpuNorm{&launch_norm};
+constexpr KvCacheBackend kCpuKv{&launch_kv_cache, &check_slots};
 
 }  // namespace
 }  // namespace cpu
@@ -488,6 +523,10 @@ TORCH_LIBRARY_IMPL(rope_ext, CPU, m) {
   m.impl("rms_norm_rotary_qk", &rms_norm_rotary_qk<cpu::kCpu, cpu::kCpuNorm>);
   m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_<cpu::kCpu, cpu::kCpuNorm>);
   m.impl("rms_norm_rotary_qk_backward", &rms_norm_rotary_qk_backward<cpu::kCpu, cpu::kCpuNorm>);
+  m.impl("rotary_kv_cache_update",
+         &rotary_kv_cache_update<cpu::kCpu, cpu::kCpuNorm, cpu::kCpuKv>);
+  m.impl("rotary_kv_cache_update_",
+         &rotary_kv_cache_update_<cpu::kCpu, cpu::kCpuNorm, cpu::kCpuKv>);
 }
 
 }  // namespace rope_ext

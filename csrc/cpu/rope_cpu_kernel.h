@@ -5,6 +5,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "../kv_cache.h"
 #include "../qk_norm.h"
 #include "../rope_math.h"
 
@@ -24,26 +25,33 @@ using RotaryKernel = void (*)(const RotaryParams& p, at::ScalarType x_dtype,
 // The fused RMSNorm + RoPE kernel (qk_norm_cpu_kernel_impl.h), forward or backward.
 using NormRotaryKernel = void (*)(const NormRotaryParams& p, bool backward,
                                   at::ScalarType x_dtype, at::ScalarType table_dtype);
+// The fused RoPE + KV-cache write (kv_cache.h); x_dtype is q's, k's and v's.
+using KvCacheKernel = void (*)(const KvCacheParams& p, at::ScalarType x_dtype,
+                               at::ScalarType table_dtype);
 
 namespace DEFAULT {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                         at::ScalarType table_dtype);
+void kv_cache_kernel(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 }
 namespace AVX2 {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                         at::ScalarType table_dtype);
+void kv_cache_kernel(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 }
 namespace AVX512 {
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                         at::ScalarType table_dtype);
+void kv_cache_kernel(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 }
 namespace AVX512_BF16 {  // AVX512 plus the AVX512-BF16 conversions
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 void norm_rotary_kernel(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                         at::ScalarType table_dtype);
+void kv_cache_kernel(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 }
 
 }  // namespace rope_ext::cpu

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1140,6 +1142,135 @@ void rotate_rows(const RotaryParams& p, int64_t begin, int64_t end, bool stream)
   }
 }
 
+
+// The fused RoPE + KV-cache write (kv_cache_kernel below).
+
+// x / scale, saturated to the float8 format's finite range (NaN stays NaN), rounded to
+// nearest even once: the stored value of a float8 cache.
+template <typename fp8_t>
+inline fp8_t quantize(float x, float scale) {
+  const float kMax = static_cast<float>(std::numeric_limits<fp8_t>::max());
+  const float y = x / scale;
+  return fp8_t(std::isnan(y) ? y : std::min(std::max(y, -kMax), kMax));
+}
+
+// Stores n float values of one head row into cache c at `dst` (c.store is a float8 format),
+// with the head's scale.
+inline void store_float8_row(const float* values, const CacheTarget& c, int64_t dst,
+                             int64_t head, int64_t n) {
+  const float scale = c.scale[head * c.scale_stride];
+  if (c.store == CacheStore::kFloat8E4M3) {
+    auto* out = static_cast<c10::Float8_e4m3fn*>(c.data) + dst;
+    for (int64_t f = 0; f < n; ++f) {
+      out[f] = quantize<c10::Float8_e4m3fn>(values[f], scale);
+    }
+  } else {
+    auto* out = static_cast<c10::Float8_e5m2*>(c.data) + dst;
+    for (int64_t f = 0; f < n; ++f) {
+      out[f] = quantize<c10::Float8_e5m2>(values[f], scale);
+    }
+  }
+}
+
+// Rotates `rows` rows of one token (x and out xs / os elements apart) by r.
+template <typename scalar_t, bool kInterleaved>
+void rotate_token_rows(const RowFunctions<scalar_t, kInterleaved>& functions,
+                       const scalar_t* x, scalar_t* out, int64_t rows, int64_t xs, int64_t os,
+                       const Rotation<opmath_t<scalar_t>>& r, int64_t pairs,
+                       int64_t head_dim) {
+  if (functions.span != nullptr) {
+    functions.span(x, out, rows, xs, os, r, pairs, head_dim);
+    return;
+  }
+  for (int64_t row = 0; row < rows; ++row, x += xs, out += os) {
+    rotate_contiguous_row<scalar_t, kInterleaved>(x, out, r, pairs, head_dim);
+  }
+}
+
+// The tokens [begin, end) of a fused call: q's rows rotated, k's rotated into the k cache
+// (float8 caches: rotated in float, the row converted first, so one rounding), v's copied.
+template <typename scalar_t, typename table_t, bool kInterleaved>
+void kv_cache_tokens(const KvCacheParams& p, int64_t begin, int64_t end) {
+  using opmath = opmath_t<scalar_t>;
+  const int64_t pairs = p.rot.rot_pairs;
+  const int64_t d = p.head_dim;
+  RotationCache<opmath, table_t> rotations(p.rot);
+  const auto functions = row_functions<scalar_t, kInterleaved>(pairs);
+  const auto float_functions = row_functions<float, kInterleaved>(pairs);
+  std::vector<float> row(std::max(d, p.v_cache.head_dim));  // a float8 row, in float
+  const auto* q = static_cast<const scalar_t*>(p.q);
+  auto* q_out = static_cast<scalar_t*>(p.q_out);
+  const auto* k = static_cast<const scalar_t*>(p.k);
+  const auto* v = static_cast<const scalar_t*>(p.v);
+  for (int64_t t = begin; t < end; ++t) {
+    const TokenOffsets o = token_offsets(p, t);
+    const bool rotates = q != nullptr || (k != nullptr && p.rotate_k);
+    const Rotation<opmath>* r = rotates ? &rotations.at(o.pos) : nullptr;
+    if (q != nullptr) {
+      rotate_token_rows<scalar_t, kInterleaved>(functions, q + o.q, q_out + o.q_out, p.q_heads,
+                                                p.q_head_stride, p.q_out_head_stride, *r,
+                                                pairs, d);
+    }
+    const int64_t slot = token_slot(p, o.slot);
+    if (slot < 0) {
+      continue;  // padding: nothing is written
+    }
+    if (k != nullptr) {
+      const CacheTarget& c = p.k_cache;
+      const int64_t dst = cache_row(c, slot, p.block_size);
+      const scalar_t* src = k + o.k;
+      if (c.store == CacheStore::kSame) {
+        auto* out = static_cast<scalar_t*>(c.data) + dst;
+        if (p.rotate_k) {
+          rotate_token_rows<scalar_t, kInterleaved>(functions, src, out, p.kv_heads,
+                                                    p.k_head_stride, c.head_stride, *r, pairs,
+                                                    d);
+        } else {
+          for (int64_t h = 0; h < p.kv_heads; ++h) {
+            std::memcpy(out + h * c.head_stride, src + h * p.k_head_stride,
+                        d * sizeof(scalar_t));
+          }
+        }
+      } else {
+        for (int64_t h = 0; h < p.kv_heads; ++h) {
+          const scalar_t* x = src + h * p.k_head_stride;
+          for (int64_t f = 0; f < d; ++f) {
+            row[f] = static_cast<float>(x[f]);
+          }
+          if (p.rotate_k) {
+            if constexpr (std::is_same_v<opmath, float>) {
+              rotate_token_rows<float, kInterleaved>(float_functions, row.data(), row.data(), 1,
+                                                     0, 0, *r, pairs, d);
+            } else {  // float64 rows: rotated in double, then converted (checked on the host)
+              std::vector<double> wide(x, x + d);
+              rotate_contiguous_row<double, kInterleaved>(wide.data(), wide.data(), *r, pairs,
+                                                          d);
+              std::copy(wide.begin(), wide.end(), row.begin());
+            }
+          }
+          store_float8_row(row.data(), c, dst + h * c.head_stride, h, d);
+        }
+      }
+    }
+    if (v != nullptr) {
+      const CacheTarget& c = p.v_cache;
+      const int64_t dst = cache_row(c, slot, p.block_size);
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        const scalar_t* x = v + o.v + h * p.v_head_stride;
+        if (c.store == CacheStore::kSame) {
+          std::memcpy(static_cast<scalar_t*>(c.data) + dst + h * c.head_stride, x,
+                      c.head_dim * sizeof(scalar_t));
+        } else {
+          for (int64_t f = 0; f < c.head_dim; ++f) {
+            row[f] = static_cast<float>(x[f]);
+          }
+          store_float8_row(row.data(), c, dst + h * c.head_stride, h, c.head_dim);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype) {
@@ -1178,6 +1309,27 @@ void rotary_kernel(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType
         }
         if (stream) {
           end_streaming_stores();
+        }
+      });
+    });
+  });
+}
+
+
+void kv_cache_kernel(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype) {
+  const int64_t heads = (p.q != nullptr ? p.q_heads : 0) + 2 * p.kv_heads;
+  // Enough tokens per task that a task moves at least ~64 KiB.
+  const int64_t grain =
+      std::max<int64_t>(1, 16384 / std::max<int64_t>(1, heads * std::max<int64_t>(1, p.head_dim)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_kv_cache", [&] {
+    using row_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_kv_cache_table", [&] {
+      using table_t = scalar_t;
+      at::parallel_for(0, p.tokens, grain, [&](int64_t begin, int64_t end) {
+        if (p.rot.interleaved) {
+          kv_cache_tokens<row_t, table_t, true>(p, begin, end);
+        } else {
+          kv_cache_tokens<row_t, table_t, false>(p, begin, end);
         }
       });
     });
