@@ -38,7 +38,7 @@ from rope_ext.benchmark import Case
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SUITES = ("core", "prefill", "gqa", "decode", "varlen", "partial", "head_dim", "mrope",
-          "qk_norm")
+          "qk_norm", "kv_cache")
 
 
 def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
@@ -68,6 +68,12 @@ def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
     if suite == "qk_norm":  # Qwen3's per-head RMSNorm + half-split RoPE, fused vs unfused
         return [c(1, 2048, 32, 8, 128, qk_norm=True, name="QK-norm prefill"),
                 c(32, 1, 32, 8, 128, decode_offset=1000, qk_norm=True, name="QK-norm decode")]
+    if suite == "kv_cache":  # fused RoPE + KV-cache write: a paged and a static cache
+        prefill, decode = ((4, 4096), (64, 1)) if device == "cuda" else ((1, 2048), (32, 1))
+        return [c(*prefill, 32, 8, 128, kv_cache=layout, name="KV prefill")
+                for layout in ("NHD", "HND")] + [
+                c(*decode, 32, 8, 128, decode_offset=1000, kv_cache=layout, name="KV decode")
+                for layout in ("NHD", "HND")]
     raise ValueError(suite)
 
 

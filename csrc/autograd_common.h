@@ -43,6 +43,18 @@ using NormInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tens
                             const at::Tensor&, const at::Tensor&,
                             const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
                             double, double, Mrope, bool);
+// The fused RoPE + KV-cache write (kv_cache_ops.h), out of place and in place.
+using KvOptional = const std::optional<at::Tensor>&;
+using KvCacheSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, KvOptional, c10::SymInt, int64_t, bool,
+                              c10::string_view, KvOptional, KvOptional, KvOptional, KvOptional,
+                              double, double);
+using KvCacheInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, KvOptional, c10::SymInt, int64_t, bool,
+                               c10::string_view, KvOptional, KvOptional, KvOptional, KvOptional,
+                               double, double);
 using TableGradSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const std::optional<at::Tensor>&, c10::SymInt, int64_t, bool,
                                 bool, Mrope, bool);

@@ -260,16 +260,16 @@ void kv_cache_update(const Backend& b, const NormBackend& n, const KvCacheBacken
   if (a.q.numel() == 0) {
     return;
   }
-  detail::check_positions(b, op, a.positions, a.offset, a.table);
   const bool hnd = a.cache_layout == "HND";
-  if (kv.check_slots != nullptr) {
-    kv.check_slots(op, a.slots.expand(a.k.sizes().slice(0, a.k.dim() - 1)).select(heads_dim, 0),
-                   a.k_cache.size(0) * a.k_cache.size(hnd ? 2 : 1));
+  const KvCacheParams p = make_kv_cache_params(a, heads_dim, &q_out, &a.k, true, &a.v);
+  if (kv.check_tokens != nullptr) {
+    kv.check_tokens(op, p, a.k_cache.size(0) * a.k_cache.size(hnd ? 2 : 1));
+  } else {
+    detail::check_positions(b, op, a.positions, a.offset, a.table);
   }
   const at::ScalarType table_dtype = c10::toRealValueType(a.table.scalar_type());
   const at::ScalarType x_dtype = a.q.scalar_type();
   if (!a.q_weight.has_value()) {  // one pass: q rotated, k rotated into its cache, v copied
-    const KvCacheParams p = make_kv_cache_params(a, heads_dim, &q_out, &a.k, true, &a.v);
     kv.launch(p, x_dtype, table_dtype, a.q.device());
     return;
   }

@@ -19,10 +19,10 @@ struct KvCacheBackend {
   // Runs the tokens of p; x_dtype is the element type of its sources (q, k, v).
   void (*launch)(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
                  c10::Device device);
-  // Rejects slots >= num_slots and duplicate non-negative slots before anything is written,
-  // where the backend can read them without a device synchronisation; nullptr where the
-  // kernel asserts instead.
-  void (*check_slots)(const char* op, const at::Tensor& slots, int64_t num_slots);
+  // Rejects positions outside the table, slots >= num_slots and a non-negative slot given
+  // to two tokens, before anything is written, where the backend can read them without a
+  // device synchronisation; nullptr where the kernel asserts instead.
+  void (*check_tokens)(const char* op, const KvCacheParams& p, int64_t num_slots);
 };
 
 // The arguments of one call, as the ops take them.

@@ -306,17 +306,9 @@ void apply_rotary_qk_autograd(const at::Tensor& q, const at::Tensor& k, const at
 // autograd kernels refuse inputs that need one, refuse caches Inductor would write at the
 // wrong place, and write an in-place q at a symbolic storage offset through copy_, as the
 // in-place rotations above do.
-using KvOptional = const std::optional<at::Tensor>&;
-using KvCacheSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, KvOptional, c10::SymInt, int64_t, bool,
-                              c10::string_view, KvOptional, KvOptional, KvOptional, KvOptional,
-                              double, double);
-using KvCacheInplaceSig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, KvOptional, c10::SymInt, int64_t, bool,
-                               c10::string_view, KvOptional, KvOptional, KvOptional, KvOptional,
-                               double, double);
+using autograd::KvCacheInplaceSig;
+using autograd::KvCacheSig;
+using autograd::KvOptional;
 
 void check_kv_cache_call(const char* op, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& table, const at::Tensor& k_cache,

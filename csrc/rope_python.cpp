@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -111,6 +112,20 @@ bool convert(PyObject* obj, std::optional<std::vector<int64_t>>& out) {
   return true;
 }
 
+bool convert(PyObject* obj, std::string& out) {
+  if (!PyUnicode_CheckExact(obj)) {
+    return false;
+  }
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(obj, &size);
+  if (text == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  out.assign(text, size);
+  return true;
+}
+
 // What holds the converted argument of an op parameter of type T until the call.
 template <typename T>
 struct Holder {
@@ -120,11 +135,17 @@ template <>
 struct Holder<autograd::Mrope> {
   using type = std::optional<std::vector<int64_t>>;
 };
+template <>
+struct Holder<c10::string_view> {
+  using type = std::string;
+};
 
 template <typename T>
 decltype(auto) pass(T& held) {
   if constexpr (std::is_same_v<T, std::optional<std::vector<int64_t>>>) {
     return held.has_value() ? autograd::Mrope(*held) : autograd::Mrope();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return c10::string_view(held.data(), held.size());
   } else {
     return (held);
   }
@@ -209,6 +230,8 @@ ROPE_EXT_ENTRY(apply_rotary_qk, ApplyQkSig)
 ROPE_EXT_ENTRY(apply_rotary_qk_, ApplyQkInplaceSig)
 ROPE_EXT_ENTRY(rms_norm_rotary_qk, NormSig)
 ROPE_EXT_ENTRY(rms_norm_rotary_qk_, NormInplaceSig)
+ROPE_EXT_ENTRY(rotary_kv_cache_update, KvCacheSig)
+ROPE_EXT_ENTRY(rotary_kv_cache_update_, KvCacheInplaceSig)
 #undef ROPE_EXT_ENTRY
 
 #define ROPE_EXT_METHOD(NAME) \
@@ -218,6 +241,7 @@ PyMethodDef methods[] = {
     ROPE_EXT_METHOD(apply_rotary),       ROPE_EXT_METHOD(apply_rotary_),
     ROPE_EXT_METHOD(apply_rotary_qk),    ROPE_EXT_METHOD(apply_rotary_qk_),
     ROPE_EXT_METHOD(rms_norm_rotary_qk), ROPE_EXT_METHOD(rms_norm_rotary_qk_),
+    ROPE_EXT_METHOD(rotary_kv_cache_update), ROPE_EXT_METHOD(rotary_kv_cache_update_),
     {nullptr, nullptr, 0, nullptr},
 };
 #undef ROPE_EXT_METHOD

@@ -103,7 +103,8 @@ def _declines(*args: object) -> object:
 EAGER_ENTRIES: dict[str, Callable[..., object]] = {
     name: getattr(_C, name, _declines)
     for name in ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_",
-                 "rms_norm_rotary_qk", "rms_norm_rotary_qk_")
+                 "rms_norm_rotary_qk", "rms_norm_rotary_qk_", "rotary_kv_cache_update",
+                 "rotary_kv_cache_update_")
 } if LOADED else {}
 
 

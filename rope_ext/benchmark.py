@@ -213,18 +213,25 @@ class Case:
     varlen: bool = False  # one packed batch of sequences, positions restarting per sequence
     mrope: bool = False  # Qwen2-VL's MRoPE: text, an image grid, text (see mrope_positions)
     qk_norm: bool = False  # Qwen3's per-head RMSNorm then half-split RoPE (_qk_norm_providers)
+    # The fused RoPE + KV-cache write (_kv_cache_providers): "NHD" a paged cache of 16-token
+    # blocks, "HND" a static [B, H_kv, max_len, D] cache. v has k's shape.
+    kv_cache: str | None = None
     name: str = ""
 
     @property
     def bytes_moved(self) -> int:
-        elems = self.batch * self.seq * (self.q_heads + self.k_heads) * self.head_dim
+        """q and k read and written once; with a KV cache, v too (read, then written to its
+        cache): what copying the same tensors once moves."""
+        heads = self.q_heads + self.k_heads * (2 if self.kv_cache else 1)
+        elems = self.batch * self.seq * heads * self.head_dim
         return 2 * elems * torch.empty((), dtype=self.dtype).element_size()
 
     def label(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         rot = f" rot{self.rotary_dim}" if self.rotary_dim not in (None, self.head_dim) else ""
+        cache = f" {self.kv_cache} cache" if self.kv_cache else ""
         return (f"{self.name + ' ' if self.name else ''}[{self.batch},{self.seq},{self.q_heads}"
-                f"/{self.k_heads},{self.head_dim}]{rot} {dt} {self.device}")
+                f"/{self.k_heads},{self.head_dim}]{rot}{cache} {dt} {self.device}")
 
 
 @dataclasses.dataclass
@@ -386,8 +393,9 @@ HF_QWEN3_BWD = "eager Qwen3 (HF) fwd+bwd"
 FUSED_PACKED = "rope_ext fused in-place, packed qkv"
 VLLM_FUSED = "vLLM fused_qk_norm_rope, packed qkv"
 
-# (what, numerator, denominator, comparison, target, device): the issue's targets, then
-# (target None) ratios shown for context; device None for every device.
+# (what, numerator, denominator, comparison, target, device[, case]): the targets, then
+# (target None) ratios shown for context; device None for every device; case: only for cases
+# whose name starts with it.
 QK_NORM_TARGETS = [
     ("fused in-place / RoPE alone in-place", FUSED_INPLACE, ROPE_INPLACE, "<=", 1.25, "cpu"),
     ("fused in-place / RoPE alone in-place", FUSED_INPLACE, ROPE_INPLACE, "<=", 1.1, "cuda"),
@@ -401,6 +409,29 @@ QK_NORM_TARGETS = [
     ("(F.rms_norm + rope_ext) / fused in-place", F_RMS_ROPE, FUSED_INPLACE, None, None, None),
     ("eager HF / fused", HF_QWEN3, FUSED, None, None, None),
     ("eager HF fwd+bwd / fused fwd+bwd", HF_QWEN3_BWD, FUSED_BWD, None, None, None),
+]
+
+# Provider names of the KV-cache cases (_kv_cache_providers).
+COPY_QKV = "copy_ (bound, in-place)"
+KV_FUSED_INPLACE = "rope_ext fused in-place"
+KV_FUSED = "rope_ext fused"
+KV_FUSED_FP8 = "rope_ext fused in-place, float8_e4m3fn cache"
+KV_COMPOSED = "rope_ext in-place + indexed cache writes"
+KV_HF = "eager rotate_half (HF) + indexed cache writes"
+KV_TARGETS = [
+    ("composition / fused in-place", KV_COMPOSED, KV_FUSED_INPLACE, ">=", 1.4, "cpu", "KV prefill"),
+    ("fused in-place / copy_ of q, k, v", KV_FUSED_INPLACE, COPY_QKV, "<=", 1.15, "cpu",
+     "KV prefill"),
+    ("composition / fused in-place", KV_COMPOSED, KV_FUSED_INPLACE, ">=", 2.0, "cpu", "KV decode"),
+    ("fused in-place / copy_ of q, k, v", KV_FUSED_INPLACE, COPY_QKV, "<=", 1.10, "cuda",
+     "KV prefill"),
+    ("float8 cache / bf16 cache, fused in-place", KV_FUSED_FP8, KV_FUSED_INPLACE, "<=", 1.0,
+     "cuda", None),
+    ("fused in-place / copy_ of q, k, v", KV_FUSED_INPLACE, COPY_QKV, None, None, None,
+     "KV decode"),
+    ("float8 cache / bf16 cache, fused in-place", KV_FUSED_FP8, KV_FUSED_INPLACE, None, None,
+     "cpu", None),
+    ("eager HF + writes / fused in-place", KV_HF, KV_FUSED_INPLACE, None, None, None, None),
 ]
 
 
@@ -529,6 +560,70 @@ def _vllm_qk_norm(case: Case, q, k, table, q_weight, k_weight, eps):
     return found
 
 
+def _kv_cache_providers(case: Case, inputs: Inputs) -> dict[str, Callable[[], object]]:
+    """The fused RoPE + KV-cache write of one attention layer's step (tokens at positions
+    decode_offset.., half-split pairs as Llama 3 in transformers), against copying q, k and v
+    once, and against rotating in place then writing k and v into the cache by indexing: a
+    paged cache's rows by block and index, a static cache's with index_copy_ along its sequence
+    dim, as transformers' StaticCache does."""
+    from .kv_cache import rotary_kv_cache_update, static_cache_slots
+
+    q, k, table = inputs.q, inputs.k, inputs.freqs_cis
+    v = torch.randn_like(k)
+    b, s, hk, d = k.shape
+    positions = (case.decode_offset + torch.arange(s, device=q.device)).expand(b, s)
+    if case.kv_cache == "HND":
+        max_len = case.decode_offset + s
+        caches = [torch.zeros(b, hk, max_len, d, dtype=q.dtype, device=q.device)
+                  for _ in range(2)]
+        slots = static_cache_slots(positions, max_len)
+    else:  # paged, 16-token blocks handed out in a shuffled order, as a serving engine does
+        block = 16
+        per_seq = (case.decode_offset + s + block - 1) // block
+        caches = [torch.zeros(b * per_seq, block, hk, d, dtype=q.dtype, device=q.device)
+                  for _ in range(2)]
+        order = torch.randperm(b * per_seq, generator=torch.Generator().manual_seed(0))
+        table_of = order.view(b, per_seq).to(q.device)
+        slots = (table_of.gather(1, positions // block) * block + positions % block)
+        slots = slots.unsqueeze(-1)
+    fp8 = [torch.zeros_like(c, dtype=torch.float8_e4m3fn) for c in caches]
+    scale = torch.full((1,), 0.05, device=q.device)
+    kw = dict(positions=positions.unsqueeze(-1), interleaved=False, cache_layout=case.kv_cache)
+    flat_slots = slots.reshape(-1)
+    blocks, index = flat_slots // caches[0].shape[1], flat_slots % caches[0].shape[1]
+    rows_at = positions[0] if case.kv_cache == "HND" else None
+
+    def write(cache, rows):
+        if case.kv_cache == "HND":  # StaticCache.update: index_copy_ along the sequence
+            cache.index_copy_(2, rows_at, rows.transpose(1, 2))
+        else:
+            cache[blocks, index] = rows.reshape(-1, hk, d)
+
+    def composed():
+        api.apply_rotary_qk(q, k, table, inplace=True, positions=kw["positions"],
+                            interleaved=False)
+        write(caches[0], k)
+        write(caches[1], v)
+
+    def hf():
+        _, k_rotated = _hf_eager(q, k, inputs.cos, inputs.sin)
+        write(caches[0], k_rotated)
+        write(caches[1], v)
+
+    buffers = [torch.empty_like(t) for t in (q, k, v)]
+    return {
+        COPY_QKV: lambda: [o.copy_(i) for o, i in zip(buffers, (q, k, v))],
+        "clone (bound, out-of-place)": lambda: (q.clone(), k.clone(), v.clone()),
+        KV_FUSED_INPLACE: lambda: rotary_kv_cache_update(q, k, v, table, *caches, slots,
+                                                         inplace=True, **kw),
+        KV_FUSED: lambda: rotary_kv_cache_update(q, k, v, table, *caches, slots, **kw),
+        KV_FUSED_FP8: lambda: rotary_kv_cache_update(q, k, v, table, *fp8, slots, k_scale=scale,
+                                                     v_scale=scale, inplace=True, **kw),
+        KV_COMPOSED: composed,
+        KV_HF: hf,
+    }
+
+
 def providers(case: Case, inputs: Inputs, include_compile: bool = True,
               include_backward: bool = False) -> dict[str, Callable[[], object]]:
     """name -> zero-argument callable, for one case. Third-party kernels join when importable."""
@@ -536,6 +631,8 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
         return _mrope_providers(case, inputs, include_compile)
     if case.qk_norm:
         return _qk_norm_providers(case, inputs, include_compile)
+    if case.kv_cache:
+        return _kv_cache_providers(case, inputs)
     q, k, table = inputs.q, inputs.k, inputs.freqs_cis
     where = dict(offset=case.decode_offset, positions=inputs.positions)
     buffers = (torch.empty_like(q), torch.empty_like(k))
@@ -739,14 +836,15 @@ def paired_ratio(num: Result, den: Result) -> float:
 
 
 def target_ratios(results: list[Result]) -> list[dict]:
-    """QK_NORM_TARGETS's ratios (time / time, paired_ratio) for each case that timed both
+    """QK_NORM_TARGETS's and KV_TARGETS's ratios (time / time, paired_ratio) for each case that timed both
     providers."""
     rows = []
     for label in dict.fromkeys(r.case.label() for r in results):
         by = {r.provider: r for r in results if r.case.label() == label}
         device = next(r.case.device for r in results if r.case.label() == label)
-        for what, num, den, cmp, target, only_on in QK_NORM_TARGETS:
-            if num not in by or den not in by or only_on not in (None, device):
+        for what, num, den, cmp, target, only_on, *case in QK_NORM_TARGETS + KV_TARGETS:
+            if num not in by or den not in by or only_on not in (None, device) or (
+                    case and case[0] is not None and not label.startswith(case[0])):
                 continue
 
             def judged(name: str, ratio: float) -> dict:

@@ -94,6 +94,13 @@ def rotary_kv_cache_update(
     table = _table_arg(freqs_cis, compiling)
     op = "rotary_kv_cache_update_" if inplace else "rotary_kv_cache_update"
     if _native_kv(q):
+        if not compiling:
+            out = _native.EAGER_ENTRIES[op](
+                q, k, v, table, k_cache, v_cache, slots, positions, offset, seq_dim,
+                interleaved, cache_layout, k_scale, v_scale, q_weight, k_weight, eps,
+                weight_offset)
+            if out is not NotImplemented:
+                return q if inplace else out
         tail = (positions, offset, seq_dim, interleaved, cache_layout, k_scale, v_scale,
                 q_weight, k_weight, eps, weight_offset)
         last = len(tail)

@@ -476,21 +476,31 @@ void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarT
   kernel_choice().kv_kernel(p, x_dtype, table_dtype);
 }
 
-// Slots (one per token) below num_slots, and no non-negative slot twice: two tokens written to
-// one slot would leave whichever a thread wrote last.
-void check_slots(const char* op, const at::Tensor& slots, int64_t num_slots) {
-  const at::Tensor flat = slots.to(at::kLong).contiguous();  // a copy: never written
-  const int64_t n = flat.numel();
-  std::vector<int64_t> used;
-  used.reserve(n);
-  const int64_t* s = flat.const_data_ptr<int64_t>();
+// Every token's position within the table and slot below num_slots, and no non-negative slot
+// twice (two tokens written to one slot would leave whichever a thread wrote last): one pass
+// over the tokens' values, read where they lie.
+void check_tokens(const char* op, const KvCacheParams& p, int64_t num_slots) {
+  int64_t first = std::numeric_limits<int64_t>::max(), last = std::numeric_limits<int64_t>::min();
   int64_t top = -1;
-  for (int64_t i = 0; i < n; ++i) {
-    top = std::max(top, s[i]);
-    if (s[i] >= 0) {
-      used.push_back(s[i]);
+  std::vector<int64_t> used;
+  used.reserve(p.tokens);
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const TokenOffsets o = token_offsets(p, t);
+    if (p.rot.positions != nullptr) {
+      const int64_t position = row_position(p.rot, o.pos);
+      first = std::min(first, position);
+      last = std::max(last, position);
+    }
+    const int64_t slot = token_slot(p, o.slot);
+    top = std::max(top, slot);
+    if (slot >= 0) {
+      used.push_back(slot);
     }
   }
+  TORCH_CHECK_INDEX(p.rot.positions == nullptr || p.tokens == 0 ||
+                        (first >= 0 && last < p.rot.table_rows),
+                    op, ": offset + positions must lie in [0, ", p.rot.table_rows,
+                    ") (the rows of freqs_cis), got values in [", first, ", ", last, "]");
   TORCH_CHECK_INDEX(top < num_slots, op, ": slots must be < num_blocks * block_size = ",
                     num_slots, " (negative slots write nothing), got ", top);
   std::sort(used.begin(), used.end());
@@ -501,7 +511,7 @@ void check_slots(const char* op, const at::Tensor& slots, int64_t num_slots) {
 
 constexpr Backend kCpu{&launch, &check_positions, &fill_freqs_cis};
 constexpr NormBackend kCpuNorm{&launch_norm};
-constexpr KvCacheBackend kCpuKv{&launch_kv_cache, &check_slots};
+constexpr KvCacheBackend kCpuKv{&launch_kv_cache, &check_tokens};
 
 }  // namespace
 }  // namespace cpu
