@@ -32,6 +32,15 @@ def test_kv_cache_example_runs():
     assert "max difference from one full pass" in run.stdout
 
 
+def test_fused_kv_cache_decode_example_runs():
+    """The gpt-fast-style loop: fused and unfused agree, eager and compiled (CPU here)."""
+    example = Path(__file__).parents[1] / "examples" / "kv_cache_decode.py"
+    run = subprocess.run([sys.executable, str(example), "--steps", "6", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "the same as the unfused loop (eager: bit for bit; compiled" in run.stdout
+
+
 def test_main_job_is_quiet_and_says_what_matters_once():
     import os
 
