@@ -4,8 +4,9 @@ fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this canno
 
 - No rotary kernel spills or uses local memory.
 - On the vector path every global store is a 16-byte STG.E.128 (a generic-address ST counts
-  as a store of its width too), and so is every load but the row's position (one int32 or int64 load) and, where a lane's (cos, sin) are not one 16-byte
-  vector (MRoPE, or float64 x with a float32 table), the table's.
+  as a store of its width too), and so is every load but the row's position (one int32 or
+  int64 load) and, where a lane's (cos, sin) are not one 16-byte vector (MRoPE, or float64 x
+  with a float32 table), the table's.
 - Registers: the vector kernels are built for 3 blocks of 256 threads per SM (768 resident
   threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar and MRoPE
   kernels for 2 (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
