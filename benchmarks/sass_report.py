@@ -2,8 +2,10 @@
 """What the compiled CUDA kernels are made of, read from their SASS without a GPU.
 
 For every kernel in the built extension (nvcc's cubin inside rope_ext/_C*.so): registers per
-thread, local memory and spills (STL/LDL), global loads and stores by width (128-bit
-`LDG.E.128` / `STG.E.128` against narrower ones) and the instruction count. The tools are
+thread, local memory and spills (STL/LDL), loads and stores of global memory by width (128-bit
+`LDG.E.128` / `STG.E.128` against narrower ones; generic-address `LD` / `ST`, which ptxas
+emits where it cannot prove a pointer global, count with them) and the instruction count.
+The tools are
 cuobjdump and c++filt; torch's triton wheel ships cuobjdump, so a CUDA build of torch is
 enough.
 
@@ -33,9 +35,10 @@ class Kernel:
     registers: int = 0
     stack: int = 0  # bytes of stack frame (local memory)
     local_accesses: int = 0  # STL / LDL instructions: spills and local arrays
+    generic_accesses: int = 0  # LD / ST instructions (also counted in loads and stores)
     instructions: int = 0
-    loads: dict = dataclasses.field(default_factory=dict)  # width in bits -> count
-    stores: dict = dataclasses.field(default_factory=dict)
+    loads: dict = dataclasses.field(default_factory=dict)  # width in bits -> count: LDG, LD
+    stores: dict = dataclasses.field(default_factory=dict)  # STG, ST
 
     @property
     def wide_store_share(self) -> float | None:
@@ -77,9 +80,13 @@ def demangle(names: list[str]) -> list[str]:
     return [re.sub(r"rope_ext::cuda::\(anonymous namespace\)::", "", n) for n in out]
 
 
-# An access instruction and its width: LDG.E.128, STG.E.64, STG.E.U16, LDG.E (32-bit), STL
-# (no suffix) ...
-_ACCESS = re.compile(r"\b(LDG|STG|LDL|STL)((?:\.[A-Z0-9]+)*)")
+# An instruction line, `/*0010*/  @!P0 LDG.E.128 R4, desc[UR4][R2.64] ;`: its opcode with
+# its modifiers, after the predicate if any.
+_INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:\{\s*)?(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]*)")
+# Memory accesses by opcode: global (LDGSTS: an asynchronous copy from global to shared
+# memory), generic-address, local. LDS / STS (shared) and LDC (constant) are not counted.
+_LOADS, _STORES = {"LDG", "LDGSTS", "LD"}, {"STG", "ST"}
+_LOCAL, _GENERIC = {"LDL", "STL"}, {"LD", "ST"}
 
 
 def _width(suffix: str) -> int:
@@ -101,16 +108,18 @@ def parse(sass: str, usage: str) -> list[Kernel]:
         if header:
             current = kernels.setdefault(header.group(1), Kernel(header.group(1)))
             continue
-        if current is None or not re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
+        instruction = _INSTRUCTION.match(line) if current is not None else None
+        if instruction is None:
             continue
         current.instructions += 1
-        for op, suffix in _ACCESS.findall(line):
-            if op in ("LDL", "STL"):
-                current.local_accesses += 1
-            else:
-                table = current.loads if op == "LDG" else current.stores
-                width = _width(suffix)
-                table[width] = table.get(width, 0) + 1
+        op, _, suffix = instruction.group(1).partition(".")
+        if op in _LOCAL:
+            current.local_accesses += 1
+        elif op in _LOADS or op in _STORES:
+            table = current.loads if op in _LOADS else current.stores
+            width = _width(suffix)
+            table[width] = table.get(width, 0) + 1
+            current.generic_accesses += op in _GENERIC
     for name, regs, stack in re.findall(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+)", usage):
         if name in kernels:
             kernels[name].registers, kernels[name].stack = int(regs), int(stack)
@@ -125,12 +134,13 @@ def report(kernels: list[Kernel]) -> str:
         return " ".join(f"{w}b:{n}" for w, n in sorted(counts.items(), reverse=True)) or "-"
 
     rows = ["| kernel | registers | stack / local accesses | instructions | global loads | "
-            "global stores | 128-bit share of stores |", "|---|---:|---:|---:|---|---|---:|"]
+            "global stores | of which generic | 128-bit share of stores |",
+            "|---|---:|---:|---:|---|---|---:|---:|"]
     for k in kernels:
         share = k.wide_store_share
         rows.append(f"| `{k.name}` | {k.registers} | {k.stack} / {k.local_accesses} | "
                     f"{k.instructions} | {widths(k.loads)} | {widths(k.stores)} | "
-                    f"{'-' if share is None else f'{share:.2f}'} |")
+                    f"{k.generic_accesses} | {'-' if share is None else f'{share:.2f}'} |")
     stores = {}
     for k in kernels:
         for w, n in k.stores.items():

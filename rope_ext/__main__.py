@@ -15,35 +15,49 @@ from . import _native, api, benchmark, qk_norm, reference
 
 def self_check(device: str) -> list[str]:
     """Compares each op family (rotation, fused RMSNorm + rotation, table) with the float64
-    reference; returns failures."""
+    reference, out of place and in place (the values written into the inputs, which an
+    in-place call must also return); returns failures."""
     failures = []
     gen = torch.Generator().manual_seed(0)
     table = api.precompute_freqs_cis(64, 128, device=device)
     real = torch.view_as_real(table).double()
     tolerance = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3,
                  torch.float64: 1e-12}
+
+    def compare(what, got, want, tol):
+        for g, w in zip(got, want):
+            err = (g.double() - w).abs().max().item()
+            if err > tol * (1 + w.abs().max().item()):
+                failures.append(f"{what} error {err:.3g}")
+
+    def in_place(what, call, q, k, want, tol):
+        """call(q', k') on copies of q and k: it must write them and return them."""
+        targets = (q.clone(), k.clone())
+        returned = call(*targets)
+        if returned[0] is not targets[0] or returned[1] is not targets[1]:
+            failures.append(f"{what} did not return its inputs")
+        compare(what, targets, want, tol)
+
     for dtype, tol in tolerance.items():
         for interleaved in (True, False):
             q = torch.randn(2, 64, 8, 64, generator=gen).to(device, dtype)
             k = torch.randn(2, 64, 2, 64, generator=gen).to(device, dtype)
             positions = torch.randint(0, 128, (2, 64, 1), generator=gen).to(device)
             kwargs = dict(positions=positions, interleaved=interleaved)
+            where = f"{device} {dtype} interleaved={interleaved}:"
             want = [reference.apply_rotary(t.double(), real, **kwargs) for t in (q, k)]
-            got = api.apply_rotary_qk(q, k, table, **kwargs)
-            got_inplace = api.apply_rotary_qk(q.clone(), k.clone(), table, inplace=True, **kwargs)
-            for g, w in zip((*got, *got_inplace), want * 2):
-                err = (g.double() - w).abs().max().item()
-                if err > tol * (1 + w.abs().max().item()):
-                    failures.append(f"{device} {dtype} interleaved={interleaved}: error {err:.3g}")
+            compare(where, api.apply_rotary_qk(q, k, table, **kwargs), want, tol)
+            in_place(f"{where} in place", lambda q, k: api.apply_rotary_qk(
+                q, k, table, inplace=True, **kwargs), q, k, want, tol)
             weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(device)
             want = [reference.rms_norm_rotary(t.double(), weight.double(), real, **kwargs)
                     for t in (q, k)]
-            got = qk_norm.rms_norm_rotary_qk(q, k, weight, weight, table, **kwargs)
-            for g, w in zip(got, want):
-                err = (g.double() - w).abs().max().item()
-                if err > tol * (1 + w.abs().max().item()):
-                    failures.append(f"{device} {dtype} interleaved={interleaved}: "
-                                    f"rms_norm_rotary_qk error {err:.3g}")
+            compare(f"{where} rms_norm_rotary_qk",
+                    qk_norm.rms_norm_rotary_qk(q, k, weight, weight, table, **kwargs), want, tol)
+            in_place(f"{where} rms_norm_rotary_qk in place",
+                     lambda q, k: qk_norm.rms_norm_rotary_qk(q, k, weight, weight, table,
+                                                             inplace=True, **kwargs),
+                     q, k, want, tol)
     exact = reference.precompute_freqs_cis(64, 128, device=device)
     if (table - exact).abs().max().item() > 1.2e-7:
         failures.append(f"{device} precompute_freqs_cis differs from the float64 table")

@@ -1,6 +1,8 @@
 """rope_ext against the float64 eager reference, over dtypes, layouts, pairings, partial
 rotary, positions, strides and in-place calls."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -69,7 +71,8 @@ def reference_of(x, table, **kwargs):
 @pytest.mark.parametrize("rotary_dim", [D, D // 2])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_apply_rotary(device, dtype, interleaved, layout, rotary_dim, inplace):
-    gen = torch.Generator().manual_seed(hash((layout, rotary_dim)) % 2**31)
+    # zlib.crc32, not hash(): str hashes change from process to process (PYTHONHASHSEED)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{layout} {rotary_dim}".encode()))
     x, kwargs = make_layout(layout, device, dtype, gen)
     table = rope_ext.precompute_freqs_cis(rotary_dim, P, device=device)
     kwargs["interleaved"] = interleaved

@@ -15,15 +15,16 @@ def complex_leaf(dim, end, device):
 @pytest.mark.parametrize("inverse", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("with_positions", [False, True])
-def test_gradcheck(device, interleaved, inverse, inplace, with_positions):
+@pytest.mark.parametrize("offset", [0, 3])
+def test_gradcheck(device, interleaved, inverse, inplace, with_positions, offset):
     table = torch.view_as_real(rope_ext.precompute_freqs_cis(
-        8, 12, device=device, dtype=torch.float64)).clone().requires_grad_()
+        8, 15, device=device, dtype=torch.float64)).clone().requires_grad_()
     x = torch.randn(2, 5, 2, 10, device=device, dtype=torch.float64, requires_grad=True)
     positions = torch.tensor([[3], [0], [11], [3], [7]], device=device) if with_positions else None
 
     def f(x, table):
         x = x * 1.0 if inplace else x  # in-place needs a non-leaf
-        return rope_ext.apply_rotary(x, table, positions=positions, offset=0, seq_dim=1,
+        return rope_ext.apply_rotary(x, table, positions=positions, offset=offset, seq_dim=1,
                                      interleaved=interleaved, inverse=inverse, inplace=inplace)
 
     assert torch.autograd.gradcheck(f, (x, table))
@@ -69,6 +70,65 @@ def test_gradients_match_eager_path(device, inplace, dtype):
         dict(atol=5e-2, rtol=1e-2)
     torch.testing.assert_close(got[1], want[1], **table_tol)
     assert got[1].dtype == torch.complex64
+
+
+def rotated_by_hand(x, table, rows, interleaved):
+    """x [..., D] rotated with stock ops, pair i of each row by table[rows[..., i], i]."""
+    pairs = table.shape[1]
+    pair = torch.arange(pairs, device=x.device)
+    cos, sin = table[rows, pair, 0], table[rows, pair, 1]
+    rotated = x[..., :2 * pairs]
+    if interleaved:
+        x0, x1 = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        x0, x1 = rotated[..., :pairs], rotated[..., pairs:]
+    y0, y1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    y = torch.stack([y0, y1], -1).flatten(-2) if interleaved else torch.cat([y0, y1], -1)
+    return torch.cat([y, x[..., 2 * pairs:]], -1)
+
+
+# MRoPE cases for 4 rotary pairs: the sections and the axis each pair turns by, written out.
+MROPE_AXES = {
+    "qwen2": (dict(mrope_section=[1, 2, 1]), [0, 1, 1, 2]),
+    "qwen3": (dict(mrope_section=[2, 1, 1], mrope_interleaved=True), [0, 1, 2, 0]),
+}
+
+
+@pytest.mark.parametrize("mrope", [None, *MROPE_AXES])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_table_gradient_with_positions_and_offset(device, mrope, interleaved, inplace):
+    """With positions, row s of x reads table row offset + positions[s]: the gradients of x
+    and of the table against the rotation composed of stock ops in float64."""
+    gen = torch.Generator().manual_seed(6)
+    rows_in_table, offset = 20, 7
+    table0 = torch.view_as_real(rope_ext.precompute_freqs_cis(8, rows_in_table,
+                                                              dtype=torch.float64))
+    x0 = torch.randn(2, 5, 3, 12, generator=gen, dtype=torch.float64)
+    weight = torch.randn(2, 5, 3, 12, generator=gen, dtype=torch.float64).to(device)
+    kwargs = dict(interleaved=interleaved)
+    if mrope is None:
+        positions = torch.randint(0, rows_in_table - offset, (2, 5, 1), generator=gen)
+        rows = (positions + offset).expand(2, 5, 3).unsqueeze(-1).expand(2, 5, 3, 4)
+    else:
+        kwargs.update(MROPE_AXES[mrope][0])
+        positions = torch.randint(0, rows_in_table - offset, (3, 2, 5, 1), generator=gen)
+        per_axis = (positions + offset).expand(3, 2, 5, 3).movedim(0, -1)  # [2, 5, 3, axes]
+        rows = per_axis[..., MROPE_AXES[mrope][1]]
+    positions, rows = positions.to(device), rows.to(device)
+
+    def gradients(rotate):
+        table = table0.clone().to(device).requires_grad_()
+        x = x0.clone().to(device).requires_grad_()
+        (rotate(x * 1, table) * weight).sum().backward()
+        return x.grad, table.grad
+
+    got = gradients(lambda x, table: rope_ext.apply_rotary(
+        x, table, positions=positions, offset=offset, inplace=inplace, **kwargs))
+    want = gradients(lambda x, table: rotated_by_hand(x, table, rows, interleaved))
+    assert want[1].abs().sum() > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
 
 
 def test_inplace_on_leaf_requiring_grad_is_refused(device):

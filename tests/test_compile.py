@@ -27,6 +27,8 @@ def opcheck_samples(device):
         (randn(2, 3, 4, 20).transpose(1, 2), table, None, 2, 1, True, True),  # non-contiguous
         (qkv[..., 16:48].view(2, 4, 2, 16), table, pos, 1, 1, False, False),  # fused qkv view
         (randn(2, 3, 4, 16, grad=True), table, pos.view(2, 1, 4), 0, 2, True, False),  # HF
+        # positions and an offset, the table's gradient: row s reads offset + positions[s]
+        (randn(2, 4, 3, 16, grad=True), table_grad, pos // 2, 5, 1, True, True),
     ]
     qk_samples = [
         (randn(2, 4, 4, 16), randn(2, 4, 2, 16), table, pos, 0, 1, True, False),  # GQA

@@ -3,9 +3,10 @@ cuobjdump: no GPU needed. The design relies on these properties; a change that b
 fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this cannot skip).
 
 - No rotary kernel spills or uses local memory.
-- On the vector path every global store is a 16-byte STG.E.128, and so is every load but the
-  row's position (one int32 or int64 load) and, where a lane's (cos, sin) are not one 16-byte
-  vector (MRoPE, or float64 x with a float32 table), the table's.
+- On the vector path every global store is a 16-byte STG.E.128 (a generic-address ST counts
+  as a store of its width too), and so is every load but the row's position (one int32 or
+  int64 load) and, where a lane's (cos, sin) are not one 16-byte vector (MRoPE, or float64 x
+  with a float32 table), the table's.
 - Registers: the vector kernels are built for 3 blocks of 256 threads per SM (768 resident
   threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar and MRoPE
   kernels for 2 (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
@@ -31,6 +32,54 @@ import sass_report  # noqa: E402
 
 ARCH = "sm_90"
 EXPECTED = os.environ.get("ROPE_EXT_EXPECT_CUDA") == "1"
+
+
+# cuobjdump's output for one made-up kernel: every kind of memory access the parser tells
+# apart, predicated and not, each instruction line followed by its second encoding line.
+SASS = """
+	code for sm_90
+		Function : _Z6kernelPf
+	.headerflags	@"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_SM90"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                     /* 0x00000a00ff017b82 */
+                                                                              /* 0x000fe40000000800 */
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;           /* 0x0000000402047981 */
+        /*0020*/               @P0 LD.E.64 R8, desc[UR4][R6.64] ;             /* 0x0000000406080980 */
+        /*0030*/                   LD.E R10, desc[UR4][R6.64+0x8] ;           /* 0x00000804060a7980 */
+        /*0040*/                   LDG.E.STRONG.GPU R11, desc[UR4][R2.64] ;   /* 0x00000004020b7981 */
+        /*0050*/                   LDS.128 R12, [R0] ;                        /* 0x00000000000c7984 */
+        /*0060*/                   LDGSTS.E.128 [R0], desc[UR4][R2.64] ;      /* 0x0000000002007fae */
+        /*0070*/                   STS [R0], R4 ;                             /* 0x0000000400007388 */
+        /*0080*/              @!P1 ST.E.U16 desc[UR4][R6.64], R4 ;            /* 0x0000000406009986 */
+        /*0090*/                   ST.E.64 desc[UR4][R6.64+0x10], R4 ;        /* 0x0000100406007985 */
+        /*00a0*/                   STG.E.128 desc[UR4][R2.64], R4 ;           /* 0x0000000402007986 */
+        /*00b0*/                   STL [R1], R4 ;                             /* 0x0000000401007387 */
+        /*00c0*/                   LDL.LU R4, [R1] ;                          /* 0x0000000001047983 */
+        /*00d0*/                   EXIT ;                                     /* 0x000000000000794d */
+		..........
+"""
+USAGE = """
+Resource usage:
+ Common:
+  GLOBAL:0
+ Function _Z6kernelPf:
+  REG:40 STACK:8 SHARED:0 LOCAL:0 CONSTANT[0]:908 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+
+
+def test_sass_parser_counts_every_access_by_width():
+    """Global and generic-address loads and stores by width (generic LD / ST are what ptxas
+    emits where it cannot prove a pointer global: a narrow one must fail the width gates),
+    local accesses, registers and stack; shared and constant accesses are not global
+    traffic. No CUDA build needed: the parser reads text."""
+    (kernel,) = sass_report.parse(SASS, USAGE)
+    assert kernel.name in ("kernel(float*)", "_Z6kernelPf")  # demangled where c++filt is
+    assert kernel.instructions == 14
+    assert kernel.loads == {128: 2, 64: 1, 32: 2}  # LDGSTS.E.128 a global load too
+    assert kernel.stores == {128: 1, 64: 1, 16: 1}
+    assert kernel.generic_accesses == 4
+    assert kernel.local_accesses == 2
+    assert (kernel.registers, kernel.stack) == (40, 8)
+    assert kernel.wide_store_share == 1 / 3
 
 
 def _kernels():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rope_ext
-from rope_ext import _native
+from rope_ext import _native, reference
 
 from conftest import assert_matches_reference
 
@@ -28,7 +28,8 @@ def test_fallback_matches_native_and_warns_once(no_native):
         got = rope_ext.apply_rotary(x, table, positions=positions, interleaved=False)
         got_q, got_k = rope_ext.apply_rotary_qk(x, x[:, :, :2], table, offset=3)
         packed = rope_ext.apply_rotary_qk(x[0], x[1, :, :2], table, positions=positions[0])
-        rope_ext.apply_rotary(x.clone(), table, inplace=True, inverse=True)
+        written = x.clone()
+        returned = rope_ext.apply_rotary(written, table, inplace=True, inverse=True)
     messages = [str(w.message) for w in caught if "rope_ext" in str(w.message)]
     assert len(messages) == 1 and "eager complex-multiply path" in messages[0]
     torch.testing.assert_close(table, _call_native(rope_ext.precompute_freqs_cis, 32, 16))
@@ -41,6 +42,9 @@ def test_fallback_matches_native_and_warns_once(no_native):
                                positions=positions[0])
     for g, w in zip(packed, want_packed):
         assert_matches_reference(g, w.double())
+    assert returned is written
+    assert_matches_reference(written, _call_native(rope_ext.apply_rotary, x, table,
+                                                   inverse=True).double())
 
 
 def _call_native(fn, *args, **kwargs):
@@ -57,6 +61,105 @@ def test_fallback_autograd(no_native):
     with pytest.warns(RuntimeWarning, match="eager complex-multiply path"):
         table = rope_ext.precompute_freqs_cis(8, 6, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(lambda x, t: rope_ext.apply_rotary(x, t), (x, table))
+
+
+# Each in-place entry on q and k: (q, k, table, norm weight) -> what it returns.
+INPLACE_ENTRIES = {
+    "apply_rotary": lambda q, k, t, w, **kw: (rope_ext.apply_rotary(q, t, inplace=True, **kw),
+                                              rope_ext.apply_rotary(k, t, inplace=True, **kw)),
+    "apply_rotary_qk": lambda q, k, t, w, **kw: rope_ext.apply_rotary_qk(q, k, t, inplace=True,
+                                                                         **kw),
+    "rms_norm_rotary_qk": lambda q, k, t, w, **kw: rope_ext.rms_norm_rotary_qk(
+        q, k, w, w, t, inplace=True, **kw),
+}
+
+
+def inplace_expected(entry, x, table, weight, **kwargs):
+    """The float64 reference of one tensor of an in-place entry (computed before the call)."""
+    real = torch.view_as_real(table).double()
+    if entry == "rms_norm_rotary_qk":
+        return reference.rms_norm_rotary(x.double(), weight.double(), real, **kwargs)
+    return reference.apply_rotary(x.double(), real, **kwargs)
+
+
+@pytest.mark.parametrize("entry", list(INPLACE_ENTRIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_fallback_inplace_writes_its_inputs(no_native, entry, dtype, interleaved):
+    """In place, the eager path rotates q and k where they lie, views of one qkv projection,
+    returns them and leaves v alone."""
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(2, 6, 4 + 2 + 2, 32, generator=gen).to(dtype)
+    q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
+    positions = torch.randint(0, 12, (2, 6, 1), generator=gen)
+    weight = torch.rand(32, generator=gen) + 0.5
+    kwargs = dict(positions=positions, offset=3, interleaved=interleaved)
+    with pytest.warns(RuntimeWarning, match="eager complex-multiply path"):
+        table = rope_ext.precompute_freqs_cis(32, 16)
+        want = [inplace_expected(entry, t, table, weight, **kwargs) for t in (q, k)]
+        v_before = v.clone()
+        got = INPLACE_ENTRIES[entry](q, k, table, weight, **kwargs)
+    assert got[0] is q and got[1] is k
+    assert_matches_reference(q, want[0])
+    assert_matches_reference(k, want[1])
+    assert torch.equal(v, v_before)
+
+
+def test_disable_native_env_inplace_entries_write_their_inputs():
+    """ROPE_EXT_DISABLE_NATIVE=1, as a user sets it: every in-place entry writes its inputs."""
+    import os
+
+    code = """
+import warnings, torch, rope_ext
+from rope_ext import reference
+warnings.simplefilter("ignore")
+assert not rope_ext.native_available()
+table = rope_ext.precompute_freqs_cis(16, 8)
+real = torch.view_as_real(table).double()
+w = torch.rand(16) + 0.5
+def check(call, norm):
+    q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16)
+    before = [q.clone(), k.clone()]
+    got = call(q, k)
+    for g, t, x in zip(got, (q, k), before):
+        want = (reference.rms_norm_rotary(x.double(), w.double(), real, offset=2) if norm
+                else reference.apply_rotary(x.double(), real, offset=2))
+        assert g is t
+        torch.testing.assert_close(t.double(), want, atol=2e-6, rtol=2e-6)
+check(lambda q, k: [rope_ext.apply_rotary(q, table, offset=2, inplace=True)], False)
+check(lambda q, k: rope_ext.apply_rotary_qk(q, k, table, offset=2, inplace=True), False)
+check(lambda q, k: rope_ext.rms_norm_rotary_qk(q, k, w, w, table, offset=2, inplace=True), True)
+print("in-place ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "ROPE_EXT_DISABLE_NATIVE": "1"})
+    assert run.returncode == 0 and run.stdout == "in-place ok\n", run.stdout + run.stderr
+
+
+def test_main_self_check_of_the_fallback(no_native):
+    from rope_ext.__main__ import self_check
+
+    with pytest.warns(RuntimeWarning, match="eager complex-multiply path"):
+        assert self_check("cpu") == []
+
+
+def test_main_self_check_sees_inplace_calls_that_write_nothing(no_native, monkeypatch):
+    """A fallback whose in-place calls return the right values but leave their inputs as they
+    were fails the main job's self-check."""
+    from rope_ext.__main__ import self_check
+
+    def returning_only(fn):
+        def call(x, *args, inplace=False, **kwargs):
+            return fn(x, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(reference, "apply_rotary", returning_only(reference.apply_rotary))
+    monkeypatch.setattr(reference, "rms_norm_rotary", returning_only(reference.rms_norm_rotary))
+    with pytest.warns(RuntimeWarning, match="eager complex-multiply path"):
+        failures = self_check("cpu")
+    # 4 dtypes x 2 pairings x 2 op families, each: inputs not returned, q and k not written
+    assert len(failures) == 4 * 2 * 2 * 3, failures
+    assert all(" in place " in f for f in failures), failures
 
 
 def test_meta_tensors_use_fake_kernels():

@@ -284,21 +284,24 @@ def test_positions_from_cu_seqlens():
 
 # ----------------------------------------------------------------------------- every variant
 
-def variant_modules():
-    """(variant, module, transformers' function) for each variant this transformers has."""
+def variant_function(v):
+    """(module, transformers' function) of variant v in the installed transformers, or None
+    where this transformers lacks the family or the function (older releases lack the newest
+    families; some drop a family)."""
     import importlib
 
-    out = []
-    for v in rope_ext.hf.VARIANTS:
-        try:
-            module = importlib.import_module(f"transformers.models.{v.family}.modeling_{v.family}")
-        except ImportError:
-            continue
-        original = rope_ext.hf._original(module.__name__, v.function,
-                                         getattr(module, v.function, None))
-        if original is not None:
-            out.append((v, module, original))
-    return out
+    try:
+        module = importlib.import_module(f"transformers.models.{v.family}.modeling_{v.family}")
+    except ImportError:
+        return None
+    original = rope_ext.hf._original(module.__name__, v.function,
+                                     getattr(module, v.function, None))
+    return None if original is None else (module, original)
+
+
+def variants_present():
+    """The variants whose function the installed transformers has."""
+    return [v for v in rope_ext.hf.VARIANTS if variant_function(v) is not None]
 
 
 def variant_inputs(v, fn, dtype, cos_dtype, unsqueeze_dim, gen):
@@ -341,50 +344,54 @@ def variant_inputs(v, fn, dtype, cos_dtype, unsqueeze_dim, gen):
 @pytest.mark.parametrize("dtype,cos_dtype", [(torch.float32, torch.float32),
                                              (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
-def test_every_variant_matches_its_function(dtype, cos_dtype, unsqueeze_dim):
+@pytest.mark.parametrize("v", rope_ext.hf.VARIANTS, ids=lambda v: f"{v.family}.{v.function}")
+def test_every_variant_matches_its_function(v, dtype, cos_dtype, unsqueeze_dim):
     """Each drop-in against transformers' own function of that variant: values against the
-    function run in float64, output dtypes as the function gives them, gradients."""
-    cases = variant_modules()  # imports each variant's module, so enable() checks it
-    assert len(cases) >= (1 if TRANSFORMERS_4 else len(rope_ext.hf.VARIANTS))
+    function run in float64, output dtypes as the function gives them, gradients. A variant
+    whose function this transformers lacks is skipped, by name."""
+    found = variant_function(v)  # imports the variant's module, so enable() checks it
+    if found is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {v.family}.{v.function} "
+                    f"(variant {v.name!r})")
+    module, original = found
     rope_ext.hf.enable()
     try:
-        for v, module, original in cases:
-            dropin = getattr(module, v.function)
-            # (in transformers 4.x some of these families share an earlier variant's code)
-            assert getattr(dropin, "rope_ext_variant", None) == v.name or (
-                TRANSFORMERS_4 and hasattr(dropin, "rope_ext_variant")), (v, dropin)
-            gen = torch.Generator().manual_seed(0)
-            args = variant_inputs(v, original, dtype, cos_dtype, unsqueeze_dim, gen)
-            # q and k get gradients (4-D; vision towers' 3-D, first); cos and sin come from
-            # buffers in every model.
-            vision = v.function.endswith("_vision")
-            args = [a.requires_grad_() if isinstance(a, torch.Tensor) and (
-                a.dim() == 4 or (vision and i < 2)) else a for i, a in enumerate(args)]
-            got = dropin(*args)
-            want = original(*args)
-            exact = original(*[a.detach().to(torch.complex128 if a.is_complex() else torch.float64)
-                               if isinstance(a, torch.Tensor) else a for a in args])
-            got, want, exact = [t if isinstance(t, tuple) else (t,) for t in (got, want, exact)]
-            tol = (dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else
-                   dict(atol=4e-2, rtol=2e-2))
-            for g, w, e in zip(got, want, exact):
-                assert g.dtype == w.dtype, (v.name, g.dtype, w.dtype)
-                torch.testing.assert_close(g.double(), e.to(w.dtype).double(), **tol,
-                                           msg=lambda m: f"{v.name} ({v.family}): {m}")
-            if "optional k" in v.name:  # q alone: (q, None) or q itself, as the function
-                alone = [args[0].detach(), None, *args[2:]]
-                got_q, want_q = dropin(*alone), original(*alone)
-                assert type(got_q) is type(want_q) and (
-                    isinstance(want_q, torch.Tensor) or want_q[1] is None)
-                got_q = got_q if isinstance(got_q, torch.Tensor) else got_q[0]
-                want_q = want_q if isinstance(want_q, torch.Tensor) else want_q[0]
-                torch.testing.assert_close(got_q.double(), want_q.double(), **tol)
-            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-            grads = torch.autograd.grad(sum(g.float().square().sum() for g in got), inputs)
-            want_grads = torch.autograd.grad(sum(w.float().square().sum() for w in want), inputs)
-            grad_tol = tol if dtype == torch.float32 else dict(atol=2e-1, rtol=5e-2)
-            for g, w in zip(grads, want_grads):
-                torch.testing.assert_close(g, w, **grad_tol, msg=lambda m: f"{v.name} grad: {m}")
+        dropin = getattr(module, v.function)
+        # (in transformers 4.x some of these families share an earlier variant's code)
+        assert getattr(dropin, "rope_ext_variant", None) == v.name or (
+            TRANSFORMERS_4 and hasattr(dropin, "rope_ext_variant")), (v, dropin)
+        gen = torch.Generator().manual_seed(0)
+        args = variant_inputs(v, original, dtype, cos_dtype, unsqueeze_dim, gen)
+        # q and k get gradients (4-D; vision towers' 3-D, first); cos and sin come from
+        # buffers in every model.
+        vision = v.function.endswith("_vision")
+        args = [a.requires_grad_() if isinstance(a, torch.Tensor) and (
+            a.dim() == 4 or (vision and i < 2)) else a for i, a in enumerate(args)]
+        got = dropin(*args)
+        want = original(*args)
+        exact = original(*[a.detach().to(torch.complex128 if a.is_complex() else torch.float64)
+                           if isinstance(a, torch.Tensor) else a for a in args])
+        got, want, exact = [t if isinstance(t, tuple) else (t,) for t in (got, want, exact)]
+        tol = (dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else
+               dict(atol=4e-2, rtol=2e-2))
+        for g, w, e in zip(got, want, exact):
+            assert g.dtype == w.dtype, (v.name, g.dtype, w.dtype)
+            torch.testing.assert_close(g.double(), e.to(w.dtype).double(), **tol,
+                                       msg=lambda m: f"{v.name} ({v.family}): {m}")
+        if "optional k" in v.name:  # q alone: (q, None) or q itself, as the function
+            alone = [args[0].detach(), None, *args[2:]]
+            got_q, want_q = dropin(*alone), original(*alone)
+            assert type(got_q) is type(want_q) and (
+                isinstance(want_q, torch.Tensor) or want_q[1] is None)
+            got_q = got_q if isinstance(got_q, torch.Tensor) else got_q[0]
+            want_q = want_q if isinstance(want_q, torch.Tensor) else want_q[0]
+            torch.testing.assert_close(got_q.double(), want_q.double(), **tol)
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        grads = torch.autograd.grad(sum(g.float().square().sum() for g in got), inputs)
+        want_grads = torch.autograd.grad(sum(w.float().square().sum() for w in want), inputs)
+        grad_tol = tol if dtype == torch.float32 else dict(atol=2e-1, rtol=5e-2)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, **grad_tol, msg=lambda m: f"{v.name} grad: {m}")
     finally:
         rope_ext.hf.disable()
 
@@ -454,7 +461,7 @@ def test_variant_model_logits_and_generation(variant):
 
 def test_coverage_of_all_families():
     """enable(all_families=True) swaps every function coverage() assigns a variant, and every
-    variant of VARIANTS is found in the installed transformers."""
+    variant of VARIANTS whose function the installed transformers has is found there."""
     import importlib
 
     report = rope_ext.hf.coverage()
@@ -469,6 +476,9 @@ def test_coverage_of_all_families():
     finally:
         rope_ext.hf.disable()
     found = {v for functions in report.values() for v in functions.values() if v}
-    if not TRANSFORMERS_4:
-        assert found == {v.name for v in rope_ext.hf.VARIANTS}
-    assert len(patched) >= (80 if TRANSFORMERS_4 else 180)
+    if not TRANSFORMERS_4:  # every variant whose function this transformers has
+        assert found == {v.name for v in variants_present()}
+    # Most modeling modules with a rotary function get a drop-in: 93 of 101 in transformers
+    # 4.57.1, 172 of 184 in 5.18, 201 of 214 in 5.25 (the rest rotate in other ways: 2-D
+    # vision positions, ESM, CLVP).
+    assert len(patched) >= 80 and len(patched) >= 0.9 * len(report), (len(patched), len(report))

@@ -125,17 +125,18 @@ def test_matches_transformers_rotary(model):
 
 @pytest.mark.parametrize("kw", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_gradients(kw, inplace):
+@pytest.mark.parametrize("offset", [0, 4])
+def test_gradients(kw, inplace, offset):
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 3, 2, 128, generator=gen, dtype=torch.float64, requires_grad=True)
-    table = torch.view_as_real(rope_ext.precompute_freqs_cis(128, 12, dtype=torch.float64))
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(128, 16, dtype=torch.float64))
     table = table.clone().requires_grad_()
     positions = torch.randint(0, 12, (3, 2, 3, 1), generator=gen)
 
     def f(x, table):
         x = x.clone() if inplace else x
-        return rope_ext.apply_rotary(x, table, positions=positions, inplace=inplace,
-                                     interleaved=False, **kw)
+        return rope_ext.apply_rotary(x, table, positions=positions, offset=offset,
+                                     inplace=inplace, interleaved=False, **kw)
 
     torch.autograd.gradcheck(f, (x, table))
 

@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import rope_ext
 from rope_ext import _checks
@@ -105,6 +106,31 @@ def test_qk_overlap_matches_enumeration():
         seen[overlapping] += 1
         check_in_every_path("apply_rotary_qk_", [q, k], overlapping)
     assert min(seen.values()) > 30, seen
+
+
+def test_dense_q_and_k_with_symbolic_layouts_are_judged_by_their_ranges():
+    """Under dynamic shapes (every size symbolic, so offsets and strides too) the exact search
+    cannot run; q and k that are both dense are then judged by the element ranges they span,
+    while tracing. Slices of dim 0 of one [3, S, H, D] buffer: half shared, adjacent."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x = mode.from_tensor(torch.randn(3, 6, 3, D), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] * 4))
+    table = mode.from_tensor(T, static_shapes=True)
+    op = "apply_rotary_qk_"
+    with mode:
+        for q_rows, k_rows, overlapping in [((0, 2), (1, 3), True), ((1, 3), (0, 2), True),
+                                            ((0, 1), (1, 2), False), ((1, 2), (0, 1), False)]:
+            q, k = x[slice(*q_rows)], x[slice(*k_rows)]
+            assert not _checks._concrete(q, k)
+            for check in (lambda: _checks.check_qk_disjoint(op, q, k),
+                          lambda: torch.ops.rope_ext.apply_rotary_qk_(q, k, table, None, 0, 1,
+                                                                      True, False)):
+                with pytest.raises(ValueError, match=OVERLAP) if overlapping else \
+                        contextlib.nullcontext():
+                    check()
+        # Rows 0 and 2 are not dense: their range holds row 1, yet they share nothing with it;
+        # such layouts are left to the op's exact check at run time.
+        _checks.check_qk_disjoint(op, x[1:2], x[0:3:2])
 
 
 def test_fused_qkv_views_and_transposes_are_disjoint():

@@ -222,7 +222,8 @@ def test_mrope(device, dtype, interleaved):
 
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
-def test_gradcheck(device, interleaved, weight_offset):
+@pytest.mark.parametrize("offset", [0, 3])
+def test_gradcheck(device, interleaved, weight_offset, offset):
     gen = torch.Generator().manual_seed(4)
 
     def leaf(*shape):
@@ -230,13 +231,13 @@ def test_gradcheck(device, interleaved, weight_offset):
 
     q, k = leaf(2, 5, 3, 16), leaf(2, 5, 1, 16)
     wq, wk = leaf(16), leaf(16)
-    freqs = torch.view_as_real(rope_ext.precompute_freqs_cis(12, 8, dtype=torch.float64,
+    freqs = torch.view_as_real(rope_ext.precompute_freqs_cis(12, 11, dtype=torch.float64,
                                                               device=device)).clone()
     freqs.requires_grad_()
     pos = torch.randint(0, 8, (2, 5, 1), generator=gen).to(device)
 
     def fn(q, k, wq, wk, freqs):
-        return rope_ext.rms_norm_rotary_qk(q, k, wq, wk, freqs, positions=pos,
+        return rope_ext.rms_norm_rotary_qk(q, k, wq, wk, freqs, positions=pos, offset=offset,
                                            interleaved=interleaved, weight_offset=weight_offset)
 
     assert torch.autograd.gradcheck(fn, (q, k, wq, wk, freqs))

@@ -1,0 +1,501 @@
+#!/usr/bin/env python
+"""Mutation testing of rope_ext: does the test suite notice a plausible one-line bug?
+
+Each mutant changes one node of one file: a comparison (< <=, > >=, == !=, is / is not,
+in / not in), arithmetic (+ -, * /, a negation removed), a boolean (and / or, a `not`
+removed, True / False), an integer constant off by one, a write dropped (`x.copy_(out)`
+-> `out`, `out.index_add_(...)` -> `out`) or a check removed (`raise ...` or a statement
+calling a function named *check* -> `pass`). Each runs against the fast tests of its file,
+stopping at the first failure (pytest -x), with a time limit; a mutant no test fails
+*survives*. Mutants are applied to a copy of the checkout in a temporary folder (the
+tracked files and the built library), never to the checkout itself.
+
+With --rope-math, csrc/rope_math.h instead (the torch-free rotation arithmetic): each mutant
+is rebuilt (CPU kernels only, `setup.py build_ext --inplace` in the copy: minutes apiece)
+and run against the kernel tests; a mutant that does not compile is reported as such.
+
+Examples:
+  python tools/mutate.py rope_ext/reference.py            # every mutant of one file
+  python tools/mutate.py --list rope_ext/_checks.py       # the mutants, without running them
+  python tools/mutate.py --every 4 rope_ext/api.py        # every 4th mutant (a sample)
+  python tools/mutate.py --function row_positions rope_ext/reference.py
+  python tools/mutate.py --rope-math --every 10           # C++ header, every 10th mutant
+  python tools/mutate.py --json out.json --resume ...     # record results; skip those done
+
+Run it from the checkout with the extension built (`pip install --no-build-isolation -e .`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The tests that exercise each file, fastest killers first (pytest -x stops at the first
+# failure, so a survivor costs the whole list and a killed mutant a few seconds). Slow
+# compile tests (test_compile*.py) and the subprocess-heavy ones are left out; name others
+# with --tests.
+TESTS = {
+    "rope_ext/reference.py": ["test_apply.py", "test_fallback.py", "test_autograd.py",
+                              "test_mrope.py", "test_qk_norm.py", "test_precompute.py"],
+    "rope_ext/_checks.py": ["test_errors.py", "test_overlap.py", "test_mrope.py",
+                            "test_qk_norm.py", "test_precompute.py", "test_fallback.py",
+                            "test_apply.py", "test_properties.py"],
+    "rope_ext/_autograd.py": ["test_autograd.py", "test_mrope.py", "test_qk_norm.py"],
+    "rope_ext/api.py": ["test_apply.py", "test_errors.py", "test_fallback.py",
+                        "test_precompute.py", "test_autograd.py", "test_mrope.py",
+                        "test_qk_norm.py"],
+    "rope_ext/qk_norm.py": ["test_qk_norm.py", "test_fallback.py"],
+    "rope_ext/_meta.py": ["test_errors.py", "test_overlap.py", "test_mrope.py",
+                          "test_qk_norm.py", "test_precompute.py"],
+    "csrc/rope_math.h": ["test_apply.py", "test_precompute.py", "test_mrope.py",
+                         "test_qk_norm.py", "test_cuda_emulation.py"],
+}
+
+
+@dataclasses.dataclass
+class Mutant:
+    file: str  # relative to the checkout
+    line: int
+    column: int
+    operator: str  # compare, arithmetic, boolean, constant, drop-write, drop-check
+    function: str  # the enclosing function (Class.method), or "" at module level
+    start: int  # byte offsets of the replaced source
+    end: int
+    before: str
+    after: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.file}:{self.start}:{self.end}:{self.after}"
+
+    def describe(self) -> str:
+        where = f" in {self.function}" if self.function else ""
+        return (f"{self.file}:{self.line}:{self.column} {self.operator}{where}: "
+                f"{_one_line(self.before)!r} -> {_one_line(self.after)!r}")
+
+
+def _one_line(text: str, width: int = 70) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- Python mutants
+
+_COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+            ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+            ast.In: ast.NotIn, ast.NotIn: ast.In}
+_ARITHMETIC = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult}
+
+
+def _is_text(node: ast.AST) -> bool:
+    return isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant)
+                                               and isinstance(node.value, (str, bytes)))
+
+
+def _called_name(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+class _Finder(ast.NodeVisitor):
+    """Collects (node, operator, replacement node or text, is_statement) for one module."""
+
+    def __init__(self):
+        self.found: list[tuple[ast.AST, str, object, str]] = []
+        self.scope: list[str] = []
+
+    def add(self, node, operator, replacement):
+        self.found.append((node, operator, replacement, ".".join(self.scope)))
+
+    def _scoped(self, node):
+        self.scope.append(node.name)
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        args = getattr(node, "args", None)
+        if args is not None:  # defaults, not annotations
+            for default in (*args.defaults, *args.kw_defaults):
+                if default is not None:
+                    self.visit(default)
+        for statement in node.body:
+            self.visit(statement)
+        self.scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def visit_AnnAssign(self, node):  # the annotation is not code
+        if node.value is not None:
+            self.visit(node.value)
+
+    def visit_JoinedStr(self, node):  # error messages
+        return
+
+    def visit_Expr(self, node):
+        value = node.value
+        if isinstance(value, ast.Call) and "check" in _called_name(value).lower():
+            self.add(node, "drop-check", "pass")
+        self.generic_visit(node)
+
+    def visit_Raise(self, node):
+        self.add(node, "drop-check", "pass")
+        self.generic_visit(node)
+
+    def visit_Compare(self, node):
+        for i, op in enumerate(node.ops):
+            swapped = _COMPARE.get(type(op))
+            if swapped is not None:
+                ops = list(node.ops)
+                ops[i] = swapped()
+                self.add(node, "compare", ast.Compare(node.left, ops, node.comparators))
+        self.generic_visit(node)
+
+    def visit_BinOp(self, node):
+        swapped = _ARITHMETIC.get(type(node.op))
+        if swapped is not None and not (_is_text(node.left) or _is_text(node.right)):
+            self.add(node, "arithmetic", ast.BinOp(node.left, swapped(), node.right))
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node):
+        swapped = _ARITHMETIC.get(type(node.op))
+        if swapped is not None:
+            self.add(node, "arithmetic", ast.AugAssign(node.target, swapped(), node.value))
+        self.generic_visit(node)
+
+    def visit_UnaryOp(self, node):
+        if isinstance(node.op, ast.USub) and not isinstance(node.operand, ast.Constant):
+            self.add(node, "arithmetic", node.operand)
+        elif isinstance(node.op, ast.Not):
+            self.add(node, "boolean", node.operand)
+        self.generic_visit(node)
+
+    def visit_BoolOp(self, node):
+        swapped = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        self.add(node, "boolean", ast.BoolOp(swapped, node.values))
+        self.generic_visit(node)
+
+    def visit_Constant(self, node):
+        if isinstance(node.value, bool):
+            self.add(node, "boolean", ast.Constant(not node.value))
+        elif isinstance(node.value, int):
+            for changed in (node.value + 1, node.value - 1):
+                self.add(node, "constant", ast.Constant(changed))
+
+    def visit_Call(self, node):
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr.endswith("_") \
+                and not func.attr.startswith("_"):
+            # An in-place tensor method: copy_(src) -> src (the value, never written);
+            # out.index_add_(...) and the like -> out (as it was).
+            if func.attr == "copy_" and node.args:
+                self.add(node, "drop-write", node.args[0])
+            else:
+                self.add(node, "drop-write", func.value)
+        self.generic_visit(node)
+
+
+def _byte_offset(line_starts: list[int], line: int, column: int) -> int:
+    return line_starts[line - 1] + column
+
+
+def python_mutants(path: Path) -> list[Mutant]:
+    """Every mutant of one Python file, in source order."""
+    source = path.read_bytes()
+    tree = ast.parse(source)
+    original = ast.dump(tree)
+    line_starts = [0]
+    for line in source.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    finder = _Finder()
+    finder.visit(tree)
+    relative = str(path.resolve().relative_to(ROOT))
+    mutants, seen = [], set()
+    for node, operator, replacement, function in finder.found:
+        start = _byte_offset(line_starts, node.lineno, node.col_offset)
+        end = _byte_offset(line_starts, node.end_lineno, node.end_col_offset)
+        if isinstance(replacement, str):  # a statement
+            text = replacement
+        else:  # an expression, parenthesised so that it binds as the node did
+            text = ast.unparse(replacement)
+            text = text if isinstance(node, ast.stmt) else f"({text})"
+        mutated = source[:start] + text.encode() + source[end:]
+        try:
+            changed = ast.dump(ast.parse(mutated)) != original
+        except SyntaxError:
+            continue
+        key = (start, end, text)
+        if not changed or key in seen:
+            continue
+        seen.add(key)
+        mutants.append(Mutant(relative, node.lineno, node.col_offset, operator, function, start,
+                              end, source[start:end].decode(), text))
+    return mutants
+
+
+# ----------------------------------------------------------------------------- C++ mutants
+
+# Spaced binary operators, as the header writes them (templates' <> are never spaced).
+_CPP_SWAPS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "),
+              (" == ", " != "), (" != ", " == "), (" + ", " - "), (" - ", " + "),
+              (" * ", " / "), (" / ", " * "), (" && ", " || "), (" || ", " && "),
+              (" += ", " -= "), (" -= ", " += "), ("++", "--"), ("--", "++")]
+_CPP_OPERATOR = {" < ": "compare", " <= ": "compare", " > ": "compare", " >= ": "compare",
+                 " == ": "compare", " != ": "compare", " && ": "boolean", " || ": "boolean"}
+_CPP_INTEGER = re.compile(r"(?<![\w.])\d+(?![\w.])")
+_CPP_NEGATION = re.compile(r"(?<=[(,\s])-(?=[A-Za-z_(])")
+
+
+def cpp_mutants(path: Path) -> list[Mutant]:
+    """Mutants of a C++ header, line by line, outside comments and preprocessor lines."""
+    source = path.read_bytes().decode()
+    relative = str(path.resolve().relative_to(ROOT))
+    mutants, offset = [], 0
+    for number, line in enumerate(source.splitlines(keepends=True), 1):
+        code = line.split("//", 1)[0]
+        if code.lstrip().startswith("#") or not code.strip():
+            offset += len(line.encode())
+            continue
+        edits = []
+        for old, new in _CPP_SWAPS:
+            for match in re.finditer(re.escape(old), code):
+                if old in ("++", "--") and code[match.start():match.start() + 3] in ("+++", "---"):
+                    continue
+                edits.append((match.start(), match.end(), new,
+                              _CPP_OPERATOR.get(old, "arithmetic")))
+        for match in _CPP_INTEGER.finditer(code):
+            value = int(match.group())
+            for changed in (value + 1, value - 1):
+                if changed >= 0:
+                    edits.append((match.start(), match.end(), str(changed), "constant"))
+        for match in _CPP_NEGATION.finditer(code):
+            edits.append((match.start(), match.end(), "", "arithmetic"))
+        for begin, stop, text, operator in sorted(edits):
+            start = offset + len(line[:begin].encode())
+            end = offset + len(line[:stop].encode())
+            column = begin + len(line[begin:stop]) - len(line[begin:stop].lstrip())
+            mutants.append(Mutant(relative, number, column, operator, "", start, end,
+                                  line[begin:stop], text))
+        offset += len(line.encode())
+    return mutants
+
+
+# ----------------------------------------------------------------------------- running
+
+def make_copy(workdir: Path) -> Path:
+    """The checkout's tracked files and its built library, in workdir/src."""
+    copy = workdir / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    built = [p.relative_to(ROOT) for p in (ROOT / "rope_ext").glob("_C*")]
+    for name in [f for f in files if f] + [str(p) for p in built]:
+        source = ROOT / name
+        if source.is_file():
+            target = copy / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return copy
+
+
+def preload() -> None:
+    """What every test run imports and no mutant changes, imported once here: each run is a
+    fork of this process (a second or three of imports saved per mutant)."""
+    import hypothesis  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest  # noqa: F401
+    import torch
+    import torch._dynamo  # noqa: F401
+    import torch._subclasses.fake_tensor  # noqa: F401
+
+    assert "rope_ext" not in sys.modules
+
+
+def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path) -> tuple[str, str, float]:
+    """pytest -x on the copy, in a fork of this process: (outcome, detail, seconds), outcome
+    passed, failed or timeout."""
+    shutil.rmtree(inductor, ignore_errors=True)  # no graph compiled against another mutant
+    log = inductor.parent / "pytest.log"
+    began = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the test run, a process group of its own (its subprocesses included)
+        code = 3
+        try:
+            os.setsid()
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.chdir(copy)
+            sys.path.insert(0, str(copy))
+            sys.dont_write_bytecode = True  # a mutant's .pyc must never outlive it
+            os.environ.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
+                              PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=str(inductor))
+            import pytest
+            import rope_ext
+
+            if not rope_ext.__file__.startswith(str(copy)):
+                print(f"rope_ext imported from {rope_ext.__file__}, not the copy {copy}")
+            else:
+                code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider",
+                                        *[f"tests/{t}" for t in tests]]))
+        except BaseException:  # noqa: BLE001 - said in the log, and the run fails
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    status = None
+    while status is None and time.monotonic() - began < timeout:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            status = None
+            time.sleep(0.05)
+    seconds = time.monotonic() - began
+    if status is None:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # not yet a group of its own
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "timeout", f"over {timeout:.0f} s", seconds
+    output = log.read_text(errors="replace")
+    if os.waitstatus_to_exitcode(status) == 0:
+        return "passed", "", seconds
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+    detail = failed[0] if failed else (output.strip().splitlines() or ["?"])[-1]
+    return "failed", detail, seconds
+
+
+def build(copy: Path, log: Path) -> bool:
+    """The CPU kernels of the copy, built in place (only what changed is recompiled)."""
+    env = dict(os.environ, ROPE_EXT_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "1"))
+    if "avx512f" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
+        env["ROPE_EXT_AVX512"] = "0"  # kernels this processor cannot run: half the build
+    with open(log, "w") as out:
+        return subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                              cwd=copy, env=env, stdout=out, stderr=subprocess.STDOUT).returncode == 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("files", nargs="*", help="rope_ext/*.py files (default: every file "
+                        "with a test list here, csrc/rope_math.h aside)")
+    parser.add_argument("--rope-math", action="store_true",
+                        help="mutate csrc/rope_math.h, rebuilding the CPU kernels per mutant")
+    parser.add_argument("--tests", nargs="+", help="test files to run (default: the file's list)")
+    parser.add_argument("--timeout", type=float,
+                        help="seconds per mutant (default: 3x the unmutated run, at least 60)")
+    parser.add_argument("--every", type=int, default=1, help="run every Nth mutant of a file")
+    parser.add_argument("--offset", type=int, default=0, help="...starting with this one")
+    parser.add_argument("--function", help="only mutants in functions matching this regex")
+    parser.add_argument("--operator", nargs="+", help="only these operators")
+    parser.add_argument("--list", action="store_true", help="list the mutants and stop")
+    parser.add_argument("--json", type=Path, help="write every result here as it comes")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --json: skip the mutants that file already holds")
+    args = parser.parse_args()
+
+    if args.rope_math:
+        files = ["csrc/rope_math.h"]
+    else:
+        files = args.files or [f for f in TESTS if f.endswith(".py")]
+    selected: dict[str, list[Mutant]] = {}
+    for name in files:
+        path = (ROOT / name).resolve()
+        if not path.is_file():
+            raise SystemExit(f"no such file: {name}")
+        name = str(path.relative_to(ROOT))
+        if not args.tests and name not in TESTS:
+            raise SystemExit(f"no test list for {name}: name the tests with --tests")
+        mutants = cpp_mutants(path) if path.suffix == ".h" else python_mutants(path)
+        if args.function:
+            mutants = [m for m in mutants if re.search(args.function, m.function)]
+        if args.operator:
+            mutants = [m for m in mutants if m.operator in args.operator]
+        selected[name] = mutants[args.offset::args.every]
+        print(f"{name}: {len(mutants)} mutants, {len(selected[name])} selected")
+    if args.list:
+        for mutants in selected.values():
+            for m in mutants:
+                print(f"  {m.describe()}")
+        return 0
+
+    results = []
+    if args.json and args.resume and args.json.exists():
+        results = json.loads(args.json.read_text())
+    done = {r["key"] for r in results}
+
+    def record(m: Mutant, outcome: str, detail: str, seconds: float) -> None:
+        results.append(dict(key=m.key, **dataclasses.asdict(m), outcome=outcome, detail=detail,
+                            seconds=round(seconds, 1)))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+
+    preload()
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="rope-mutate-") as tmp:
+        workdir = Path(tmp)
+        copy = make_copy(workdir)
+        inductor = workdir / "inductor"
+        for name, mutants in selected.items():
+            tests = args.tests or TESTS[name]
+            target = copy / name
+            original = target.read_bytes()
+            native = name.endswith(".h")
+            if native and not build(copy, workdir / "build.log"):
+                raise SystemExit(f"the unmutated copy does not build: {workdir / 'build.log'}")
+            outcome, detail, seconds = run_tests(copy, tests, 3600, inductor)
+            if outcome != "passed":
+                raise SystemExit(f"{name}: the tests fail without a mutant ({detail})")
+            timeout = args.timeout or max(60.0, 3 * seconds)
+            print(f"{name}: unmutated tests pass in {seconds:.0f} s ({', '.join(tests)}); "
+                  f"{timeout:.0f} s per mutant at most")
+            for i, m in enumerate(mutants, 1):
+                if m.key in done:
+                    continue
+                target.write_bytes(original[:m.start] + m.after.encode() + original[m.end:])
+                try:
+                    if native and not build(copy, workdir / "build.log"):
+                        outcome, detail, seconds = "not built", "does not compile", 0.0
+                    else:
+                        outcome, detail, seconds = run_tests(copy, tests, timeout, inductor)
+                finally:
+                    target.write_bytes(original)
+                outcome = {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
+                record(m, outcome, detail, seconds)
+                print(f"[{i}/{len(mutants)}] {outcome:9s} {seconds:5.1f} s  {m.describe()}"
+                      + (f"  <- {detail}" if outcome == "killed" else ""), flush=True)
+            if native:
+                build(copy, workdir / "build.log")  # back to the unmutated library
+
+    print(f"\nmutation score ({(time.monotonic() - began) / 60:.1f} min):")
+    for name in selected:
+        mine = [r for r in results if r["file"] == name]
+        killed = sum(r["outcome"] in ("killed", "timeout") for r in mine)
+        tried = sum(r["outcome"] != "not built" for r in mine)
+        print(f"  {name}: {killed} / {tried} killed"
+              + (f" ({sum(r['outcome'] == 'timeout' for r in mine)} by timeout)"
+                 if any(r["outcome"] == "timeout" for r in mine) else ""))
+    survivors = [r for r in results if r["outcome"] == "survived"]
+    if survivors:
+        print("\nsurvivors:")
+        for r in survivors:
+            print(f"  {Mutant(**{k: r[k] for k in Mutant.__dataclass_fields__}).describe()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
