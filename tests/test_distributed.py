@@ -20,6 +20,10 @@ OPS = torch.ops.rope_ext
 
 def _worker(rank, port, module, scenario):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # One thread per rank, as torchrun gives each process (OMP_NUM_THREADS=1): WORLD ranks of
+    # several threads each on few cores wait at every parallel region for a thread that
+    # another rank's thread has taken the core from.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
     try:
