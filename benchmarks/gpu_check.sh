@@ -67,11 +67,16 @@ say "GPU benchmark: fused RMSNorm + RoPE (vLLM's fused_qk_norm_rope where import
 timeout 120 python benchmarks/bench_rope.py --device cuda --suite qk_norm --dtypes bfloat16 \
   --no-compile --out "$OUT/bench_qk_norm" 2>&1 | tail -45 | tee "$OUT/bench_qk_norm.log"
 
+say "GPU benchmark: fused RoPE + KV-cache write (bf16 and float8 caches, prefill and decode)"
+timeout 120 python benchmarks/bench_rope.py --device cuda --suite kv_cache --dtypes bfloat16 \
+  --no-compile --out "$OUT/bench_kv_cache" 2>&1 | tail -45 | tee "$OUT/bench_kv_cache.log"
+
 if command -v compute-sanitizer > /dev/null || [ -x "$CUDA_HOME/bin/compute-sanitizer" ]; then
   say "compute-sanitizer memcheck"
   cs=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
   timeout 100 "$cs" --tool memcheck --error-exitcode 1 python -m pytest -q -x -p no:cacheprovider \
-    tests/test_cuda.py -k "agrees_with and bfloat16 and 128-128" > "$OUT/memcheck.log" 2>&1 ||
+    tests/test_cuda.py -k "(agrees_with and bfloat16 and 128-128) or kv_cache_cuda_agrees" \
+    > "$OUT/memcheck.log" 2>&1 ||
     status=1
   tail -5 "$OUT/memcheck.log" | tee -a "$OUT/summary.txt"
 fi

@@ -43,6 +43,7 @@ struct KvCacheParams {
   const void* slots;  // int32 or int64 (slots_int64); a negative slot writes nothing
   bool slots_int64;
   int64_t block_size;
+  int64_t num_slots;  // num_blocks * block_size of the caches
 
   // Sources: q (rotated into q_out, which may be q), k (rotated into k's cache unless
   // rotate_k is false: then k already holds the rows to store), v (copied into v's cache).

@@ -237,6 +237,7 @@ KvCacheParams make_kv_cache_params(const KvCacheArgs& a, int64_t heads_dim,
   p.slots_int64 = a.slots.scalar_type() == at::kLong;
   const bool hnd = a.cache_layout == "HND";
   p.block_size = a.k_cache.size(hnd ? 2 : 1);
+  p.num_slots = a.k_cache.size(0) * p.block_size;
   p.q = q_out != nullptr ? a.q.data_ptr() : nullptr;
   p.q_out = q_out != nullptr ? q_out->data_ptr() : nullptr;
   p.q_heads = a.q.size(heads_dim);

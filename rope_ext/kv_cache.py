@@ -27,8 +27,8 @@ _KV_DEVICES = frozenset(
 
 
 def _native_kv(q: torch.Tensor) -> bool:
-    """Whether a native kernel of the fused op serves q's device (CPU today; other devices
-    take the composition below)."""
+    """Whether a native kernel of the fused op serves q's device (CPU, and CUDA in a CUDA
+    build; other devices take the composition below)."""
     return _native.serves(q) and q.device.type in _KV_DEVICES
 
 

@@ -18,7 +18,8 @@ def registered_keys(op):
     return {line.split(":")[0] for line in dump.splitlines() if "registered at" in line}
 
 
-# The fused RoPE + KV-cache write has a CPU kernel; elsewhere the Python function composes it.
+# The fused RoPE + KV-cache write: CPU and CUDA kernels; elsewhere the Python function
+# composes it.
 KV_OPS = ["rotary_kv_cache_update", "rotary_kv_cache_update_"]
 
 
@@ -27,7 +28,7 @@ def test_cpu_kernels_registered(op):
     assert "CPU" in registered_keys(op)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", OPS + KV_OPS)
 def test_cuda_kernels_registered_as_build_info_says(op):
     info = rope_ext.build_info()
     if os.environ.get("ROPE_EXT_EXPECT_CUDA") == "1":

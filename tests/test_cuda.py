@@ -178,3 +178,90 @@ def test_norm_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+
+
+# ---- The fused RoPE + KV-cache write ----
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=str)
+@pytest.mark.parametrize("cache_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_kv_cache_cuda_agrees_with_cpu(cache_dtype, cache_layout, interleaved, misaligned):
+    """q's result and both whole caches bit for bit against the CPU kernel (as the host
+    emulation shows without a GPU): padding slots, GQA, partial rotary, float8 scales."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(3 * 7 * 8 * 128 + 1, generator=gen).bfloat16()
+    q = (base[1:] if misaligned else base[:-1]).view(3, 7, 8, 128)
+    k, v = (torch.randn(3, 7, 2, 128, generator=gen).bfloat16() for _ in range(2))
+    shape = (8, 4, 2, 128) if cache_layout == "NHD" else (8, 2, 4, 128)
+    k_cache, v_cache = (torch.randn(*shape, generator=gen).to(cache_dtype) for _ in range(2))
+    slots = torch.randperm(32, generator=gen)[:21].view(3, 7, 1)
+    slots[:, ::3] = -1
+    positions = torch.randint(0, 40, (3, 7, 1), generator=gen)
+    table = rope_ext.precompute_freqs_cis(96, 40)
+    kw = dict(positions=positions, interleaved=interleaved, cache_layout=cache_layout)
+    if cache_dtype != torch.bfloat16:
+        kw.update(k_scale=torch.tensor([0.5]), v_scale=torch.rand(2, generator=gen) + 0.5)
+    cuda = {name: t.cuda() for name, t in dict(q=q, k=k, v=v, kc=k_cache.clone(),
+                                                   vc=v_cache.clone(), slots=slots).items()}
+    want = rope_ext.rotary_kv_cache_update(q, k, v, table, k_cache, v_cache, slots, **kw)
+    got = rope_ext.rotary_kv_cache_update(
+        cuda["q"], cuda["k"], cuda["v"], table.cuda(), cuda["kc"], cuda["vc"], cuda["slots"],
+        **{name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in kw.items()})
+    assert torch.equal(got.cpu(), want)
+    for g, w in ((cuda["kc"], k_cache), (cuda["vc"], v_cache)):
+        assert torch.equal(g.cpu().view(torch.uint8), w.view(torch.uint8))
+
+
+def test_kv_cache_cuda_graph_capture():
+    """A decode step captured once and replayed at new positions and slots (both on the
+    device): the same caches as eager calls."""
+    table = rope_ext.precompute_freqs_cis(128, 64, device="cuda")
+    q = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cache = torch.zeros(4, 2, 64, 128, device="cuda", dtype=torch.bfloat16)  # static, HND
+    k_cache, v_cache = cache.clone(), cache.clone()
+    positions = torch.zeros(4, 1, dtype=torch.int64, device="cuda")
+    slots = rope_ext.static_cache_slots(positions, 64)
+
+    def step():
+        slots.copy_(rope_ext.static_cache_slots(positions, 64))
+        return rope_ext.rotary_kv_cache_update(q, k, v, table, k_cache, v_cache, slots,
+                                               positions=positions[..., None],
+                                               cache_layout="HND")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    want_k, want_v = cache.clone(), cache.clone()
+    want_k.copy_(k_cache)
+    want_v.copy_(v_cache)
+    for position in (3, 17, 40):
+        positions.fill_(position)
+        graph.replay()
+        want_q = rope_ext.rotary_kv_cache_update(
+            q, k, v, table, want_k, want_v, rope_ext.static_cache_slots(positions, 64),
+            positions=positions[..., None], cache_layout="HND")
+        assert torch.equal(out, want_q)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_kv_cache_slot_past_the_cache_is_a_device_assert():
+    code = ("import torch, rope_ext\n"
+            "t = rope_ext.precompute_freqs_cis(16, 8, device='cuda')\n"
+            "q = torch.randn(2, 1, 16, device='cuda')\n"
+            "c = torch.zeros(2, 2, 1, 16, device='cuda')\n"
+            "rope_ext.rotary_kv_cache_update(q, q, q, t, c, c.clone(),\n"
+            "    torch.tensor([[1], [4]], device='cuda'), positions=torch.tensor([[0], [1]],\n"
+            "    device='cuda'), seq_dim=0)\n"
+            "torch.cuda.synchronize()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+    assert run.returncode != 0
+    assert "slots must be < num_blocks" in run.stderr or "device-side assert" in run.stderr

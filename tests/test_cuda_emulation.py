@@ -527,3 +527,182 @@ def test_norm_heads_per_item(dtype):
         for line in launches:
             held = chunks * (1 if interleaved else 2) * (2 if "backward=1" in line else 1)
             assert f" rows_per_item={max(1, 4 // held)} " in line, line
+
+
+# ---- The fused RoPE + KV-cache write (rotary_kv_cache_update): csrc/cuda/kv_cache_cuda_kernel.h
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_case(layout, dtype, head_dim, gen, v_dim=None):
+    """(q, k, v, slots, kwargs): k and v with fewer heads (GQA); some tokens' slots negative
+    (padding), the rest distinct slots of a 6-block cache of 4 slots each."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    D, Dv = head_dim, v_dim or head_dim
+    shapes = {"bshd": ((2, 5, 4), (2, 5, 2), 1, (2, 5, 1)),
+              "bhsd": ((2, 4, 5), (2, 2, 5), 2, (2, 1, 5)),
+              "packed": ((9, 4), (9, 1), 0, (9, 1)),
+              "decode": ((5, 1, 8), (5, 1, 2), 1, (5, 1, 1))}
+    q_lead, kv_lead, seq_dim, slot_shape = shapes[layout]
+    q, k, v = randn(*q_lead, D), randn(*kv_lead, D), randn(*kv_lead, Dv)
+    tokens = int(torch.tensor(slot_shape).prod())
+    slots = torch.randperm(24, generator=gen)[:tokens]
+    slots[1::4] = -1
+    kwargs = dict(seq_dim=seq_dim)
+    if layout in ("packed", "decode"):
+        kwargs["positions"] = torch.randint(0, P, slot_shape, generator=gen)
+    return q, k, v, slots.view(slot_shape), kwargs
+
+
+def kv_caches(cache_dtype, kv_heads, head_dim, v_dim, cache_layout, gen):
+    def cache(d):
+        shape = (6, 4, kv_heads, d) if cache_layout == "NHD" else (6, kv_heads, 4, d)
+        return torch.randn(*shape, generator=gen).to(cache_dtype)
+    return cache(head_dim), cache(v_dim)
+
+
+def check_kv(q, k, v, table, k_cache, v_cache, slots, kwargs, gpu=H200, inplace=False):
+    """The emulated CUDA launches against the CPU kernel, bit for bit: q's result and both
+    whole caches (so every slot the call must not write kept its contents)."""
+    # Each run writes into the caches given (their strides and alignment are the case: a
+    # clone would be contiguous), from the same contents.
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    def run():
+        k_cache.copy_(k_before)
+        v_cache.copy_(v_before)
+        q_ = q.clone() if inplace else q
+        out = rope_ext.rotary_kv_cache_update(q_, k, v, table, k_cache, v_cache, slots,
+                                              inplace=inplace, **kwargs)
+        assert (out is q_) == inplace and (inplace or torch.equal(q_, q))
+        return out, k_cache.clone(), v_cache.clone()
+
+    want = run()
+    with emulated(gpu) as launches:
+        got = run()
+    for g, w in zip(got, want):
+        g, w = (g.view(torch.uint8), w.view(torch.uint8)) if g.dtype in FLOAT8 else (g, w)
+        assert torch.equal(g, w), (g.float() - w.float()).abs().max()
+    return launches
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float16),
+                                               (torch.float32, torch.float32),
+                                               (torch.float64, torch.float64),
+                                               (torch.bfloat16, torch.float8_e4m3fn),
+                                               (torch.bfloat16, torch.float8_e5m2),
+                                               (torch.float32, torch.float8_e4m3fn)], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("head_dim,rotary_dim,v_dim", [(128, 128, 128), (64, 32, 96),
+                                                       (12, 8, 6)])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "packed", "decode"])
+def test_kv_cache_matches_cpu_kernel(dtype, cache_dtype, interleaved, head_dim, rotary_dim,
+                                     v_dim, layout):
+    """Every layout, both cache layouts, in place and not, float8 caches with a per-tensor k
+    scale and per-head v scales, partial rotary (pass-through features) and v of its own
+    width; the vector path wherever the widths are whole 16-byte chunks."""
+    gen = torch.Generator().manual_seed(head_dim + v_dim + len(layout))
+    q, k, v, slots, kwargs = kv_case(layout, dtype, head_dim, gen, v_dim)
+    kv_heads = k.shape[-2] if layout != "bhsd" else k.shape[1]
+    table = rope_ext.precompute_freqs_cis(rotary_dim, P)
+    n = 16 // q.element_size()
+    widths = [rotary_dim if interleaved else rotary_dim // 2, head_dim - rotary_dim, v_dim]
+    vector = all(w % n == 0 for w in widths)
+    for cache_layout, inplace in [("NHD", False), ("HND", True)]:
+        kc, vc = kv_caches(cache_dtype, kv_heads, head_dim, v_dim, cache_layout, gen)
+        kw = dict(kwargs, interleaved=interleaved, cache_layout=cache_layout)
+        if cache_dtype in FLOAT8:
+            kw.update(k_scale=torch.tensor([0.75]), v_scale=torch.rand(kv_heads, generator=gen) + 0.5)
+        launches = check_kv(q, k, v, table, kc, vc, slots, kw, inplace=inplace)
+        assert len(launches) == 1 and launches[0].startswith("kv_cache "), launches
+        assert f" vector={int(vector)} " in launches[0], launches[0]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+def test_kv_cache_with_qk_norm(cache_dtype, interleaved):
+    """With the QK-norm: the norm kernel into q's result and a k buffer (float32 for a float8
+    cache), then the cache write of k (copied, not rotated again) and of v."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, slots, kwargs = kv_case("bshd", torch.bfloat16, 128, gen)
+    kc, vc = kv_caches(cache_dtype, 2, 128, 128, "NHD", gen)
+    kw = dict(kwargs, interleaved=interleaved, q_weight=torch.rand(128, generator=gen).bfloat16(),
+              k_weight=torch.rand(128, generator=gen).bfloat16())
+    if cache_dtype in FLOAT8:
+        kw.update(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([2.0]))
+    launches = check_kv(q, k, v, rope_ext.precompute_freqs_cis(128, P), kc, vc, slots, kw)
+    kv = [line for line in launches if line.startswith("kv_cache ")]
+    assert len(launches) == 4 and len(kv) == 2, launches
+    assert " rows=(0 2 0) " in kv[0] and " rows=(0 0 2) " in kv[1], kv
+
+
+@pytest.mark.parametrize("layout", ["misaligned", "odd_cache_strides"])
+def test_kv_cache_scalar_path(layout):
+    """Rows that cannot move as aligned 16-byte chunks take the scalar path: q one element off
+    alignment, or a cache whose heads are an odd number of elements apart."""
+    gen = torch.Generator().manual_seed(22)
+    q, k, v, slots, kwargs = kv_case("bshd", torch.bfloat16, 64, gen)
+    kc, vc = kv_caches(torch.bfloat16, 2, 64, 64, "NHD", gen)
+    if layout == "misaligned":
+        q = torch.randn(q.numel() + 1, generator=gen).bfloat16()[1:].view(q.shape)
+    else:
+        kc = torch.randn(6, 4, 2, 65, generator=gen).bfloat16()[..., :64]
+    for interleaved in (True, False):
+        launches = check_kv(q, k, v, rope_ext.precompute_freqs_cis(48, P), kc, vc, slots,
+                            dict(kwargs, interleaved=interleaved))
+        assert " vector=0 " in launches[0], launches
+
+
+def test_kv_cache_grid_stride_and_static_cache():
+    """One resident block, so each thread walks many items; a static [B, H_kv, max_len, D]
+    cache (HND, a block per sequence) written at each sequence's own positions."""
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(3, 4, 8, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(3, 4, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    positions = torch.tensor([[5], [0], [9]]) + torch.arange(4)
+    cache = torch.randn(3, 2, 16, 64, generator=gen).bfloat16()
+    slots = rope_ext.static_cache_slots(positions, 16)
+    launches = check_kv(q, k, v, rope_ext.precompute_freqs_cis(64, P), cache, cache.clone(),
+                        slots, dict(positions=positions[..., None], cache_layout="HND"),
+                        gpu=SMALL_GPU)
+    assert " grid=1 " in launches[0], launches
+
+
+@pytest.mark.parametrize("path", ["vector", "scalar"])
+def test_kv_cache_offsets_beyond_32_bits(path):
+    """A cache whose second block lies more than 2**31 elements into its storage: 64-bit
+    offsets. The storage is allocated but only the view's pages are touched."""
+    gen = torch.Generator().manual_seed(24)
+    big = torch.empty(2**31 + 8192, dtype=torch.bfloat16)
+    shift = 1 if path == "scalar" else 0
+    kc = big.as_strided((2, 4, 2, 64), (2**31, 128, 64, 1), shift)
+    kc.copy_(torch.randn(2, 4, 2, 64, generator=gen))
+    vc = torch.randn(2, 4, 2, 64, generator=gen).bfloat16()
+    q, k, v, _, kwargs = kv_case("bshd", torch.bfloat16, 64, gen)
+    slots = torch.tensor([0, 7, -1, 4, 2, 5, 1, 3, 6, -1]).view(2, 5, 1)
+    launches = check_kv(q, k, v, rope_ext.precompute_freqs_cis(64, P), kc, vc, slots, kwargs)
+    assert " index=64 " in launches[0] and f" vector={int(path == 'vector')} " in launches[0]
+
+
+def test_kv_cache_device_checks():
+    """As on a GPU, the kernel checks what the CPU op checks before writing: a slot beyond the
+    cache and a position beyond the table stop the launch (device-side asserts there), and two
+    tokens given one slot write it twice, the race the CUDA op documents."""
+    gen = torch.Generator().manual_seed(25)
+    q, k, v, slots, kwargs = kv_case("packed", torch.bfloat16, 64, gen)
+    kc, vc = kv_caches(torch.bfloat16, 1, 64, 64, "NHD", gen)
+    table = rope_ext.precompute_freqs_cis(64, P)
+    shared = slots.clone()
+    shared[2] = shared[0]  # two tokens, one slot
+    bad = [(slots.masked_fill(slots == slots.max(), 24), kwargs,
+            "read a slot at or beyond num_blocks \\* block_size"),
+           (slots, dict(kwargs, positions=kwargs["positions"] + P),
+            "read a position outside \\[0, rows of freqs_cis\\)"),
+           (shared, kwargs, "was written 2 times, expected 1")]
+    for bad_slots, kw, message in bad:
+        with emulated(), pytest.raises(RuntimeError, match=message):
+            rope_ext.rotary_kv_cache_update(q, k, v, table, kc.clone(), vc.clone(), bad_slots,
+                                            **kw)

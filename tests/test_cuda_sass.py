@@ -10,6 +10,12 @@ fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this canno
 - Registers: the vector kernels are built for 3 blocks of 256 threads per SM (768 resident
   threads, 48 KB of loads in flight per SM), so at most 80 per thread; the scalar and MRoPE
   kernels for 2 (at most 128). See min_blocks_per_sm() in csrc/cuda/rope_cuda_kernel.h.
+- The fused RoPE + KV-cache write kernels (kv_cache_kernel): no spills or local memory; on
+  the vector path every global store is 16 bytes but a float8 cache's, which stores a
+  chunk's width in bytes (8 for 16-bit x), and every load is 16 bytes but the position's, the
+  slot's (int32 or int64 each), the float8 scale's and, as in the rotary kernels, a lane's
+  (cos, sin) where they are not one 16-byte vector; at most 80 registers on the vector path
+  and 128 on the scalar path.
 - The fused RMSNorm + RoPE kernels (norm_rotary_kernel): no spills or local memory; on the
   vector path every global store is 16 bytes (rows, and the backward's weight-gradient
   partials), and so is every load (rows, weights, (cos, sin), partials) but the position's
@@ -208,3 +214,51 @@ def test_norm_register_budget(norm_kernels):
     """Built for 2 blocks of 256 threads per SM (kNormMinBlocks): at most 128 registers."""
     for k in norm_kernels:
         assert 0 < k.registers <= 128, (k.name, k.registers)
+
+
+# ---- The fused RoPE + KV-cache write (csrc/cuda/kv_cache_cuda_kernel.h) ----
+
+@pytest.fixture(scope="module")
+def kv_kernels():
+    kernels = [k for k in _kernels() if k.name.startswith("void kv_cache_kernel<")]
+    # 4 element types x 2 table types x 2 pairings x vector/scalar x 32/64-bit
+    assert len(kernels) == 64, [k.name for k in kernels]
+    return kernels
+
+
+def kv_template_args(kernel):
+    """kv_cache_kernel<scalar_t, table_t, kInterleaved, kVector, index_t> -> its arguments."""
+    return re.search(r"kv_cache_kernel<(.*)>\(", kernel.name).group(1).split(", ")
+
+
+def test_kv_no_spills_and_no_local_memory(kv_kernels):
+    bad = [(k.name, k.stack, k.local_accesses) for k in kv_kernels
+           if k.stack or k.local_accesses]
+    assert not bad, bad
+
+
+def test_kv_vector_path_moves_16_bytes_per_access(kv_kernels):
+    """Rows and (cos, sin) as 16-byte vectors; a float8 cache row's chunk in one store of its
+    width in bytes (16 // sizeof(x): 8 bytes for bfloat16 and half, 4 for float32, 2 for
+    float64); narrower loads only for the position and the slot (an int32 or an int64 load
+    each), the float8 scale, and a lane's (cos, sin) where they are not one 16-byte vector
+    (float64 x with a float32 table, interleaved: one pair per lane)."""
+    vector = [k for k in kv_kernels if kv_template_args(k)[3] == "true"]
+    assert len(vector) == 32
+    for k in vector:
+        scalar, table, interleaved = kv_template_args(k)[:3]
+        float8_store = 8 * (16 // SIZES[scalar])
+        assert set(k.stores) == {128, float8_store}, (k.name, k.stores)
+        pairs = 16 // SIZES[scalar] // (2 if interleaved == "true" else 1)
+        table_loads = 2 * pairs if pairs * 2 * SIZES[table] % 16 else 0
+        narrow_loads = sum(n for width, n in k.loads.items() if width != 128)
+        assert narrow_loads <= 2 + 2 + 1 + table_loads, (k.name, k.loads)
+        assert k.loads.get(128, 0) > 0, (k.name, k.loads)
+
+
+def test_kv_register_budget(kv_kernels):
+    """Built for 3 blocks of 256 threads per SM on the vector path (at most 80 registers) and
+    2 on the scalar path (at most 128): min_blocks_per_sm() in rope_cuda_kernel.h."""
+    for k in kv_kernels:
+        budget = 80 if kv_template_args(k)[3] == "true" else 128
+        assert 0 < k.registers <= budget, (k.name, k.registers)

@@ -473,6 +473,10 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
 
 void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
                      c10::Device) {
+  if (cuda_emulation::active()) {
+    cuda_emulation::launch_kv_cache(p, x_dtype, table_dtype);
+    return;
+  }
   kernel_choice().kv_kernel(p, x_dtype, table_dtype);
 }
 
@@ -480,6 +484,9 @@ void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarT
 // twice (two tokens written to one slot would leave whichever a thread wrote last): one pass
 // over the tokens' values, read where they lie.
 void check_tokens(const char* op, const KvCacheParams& p, int64_t num_slots) {
+  if (cuda_emulation::active()) {
+    return;  // as on CUDA: the (emulated) kernel checks positions and slots itself
+  }
   int64_t first = std::numeric_limits<int64_t>::max(), last = std::numeric_limits<int64_t>::min();
   int64_t top = -1;
   std::vector<int64_t> used;

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <vector>
 
+#include "../kv_cache_ops.h"
 #include "../qk_norm_ops.h"
 #include "../rope_backend.h"
 #include "../rope_build.h"
@@ -47,8 +48,24 @@ struct DeviceMem {
                  "r"(b.w[2]), "r"(b.w[3])
                  : "memory");
   }
+  // The first N bytes of b (N = 8, 4 or 2: a float8 cache row's chunk), in one store.
+  template <int N>
+  __device__ __forceinline__ void store_bytes(void* p, const Bits128& b) const {
+    static_assert(N == 8 || N == 4 || N == 2, "a store of 8, 4 or 2 bytes");
+    if constexpr (N == 8) {
+      asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(b.w[0]), "r"(b.w[1])
+                   : "memory");
+    } else if constexpr (N == 4) {
+      *static_cast<uint32_t*>(p) = b.w[0];
+    } else {
+      *static_cast<uint16_t*>(p) = static_cast<uint16_t>(b.w[0]);
+    }
+  }
   __device__ __forceinline__ void check_position(bool ok) const {
     CUDA_KERNEL_ASSERT_MSG(ok, "rope_ext: offset + positions must lie in [0, rows of freqs_cis)");
+  }
+  __device__ __forceinline__ void check_slot(bool ok) const {
+    CUDA_KERNEL_ASSERT_MSG(ok, "rope_ext: slots must be < num_blocks * block_size");
   }
 };
 
@@ -83,6 +100,16 @@ __global__ void __launch_bounds__(kThreads, cuda_kernel::kNormMinBlocks)
     }
     t.finish(kp, sums, mem);
   }
+}
+
+// The fused RoPE + KV-cache write: each thread strides over the items of the plan.
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
+__global__ void __launch_bounds__(kThreads, cuda_kernel::min_blocks_per_sm(kVector, false))
+    kv_cache_kernel(const __grid_constant__ cuda_kernel::KvKernelParams kp) {
+  DeviceMem mem;
+  cuda_kernel::kv_cache_thread<scalar_t, table_t, kInterleaved, kVector, index_t>(
+      kp, blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x,
+      static_cast<int64_t>(gridDim.x) * kThreads, mem);
 }
 
 template <typename table_t>
@@ -184,6 +211,36 @@ struct LaunchNorm {
   }
 };
 
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
+struct LaunchKvCache {
+  static constexpr auto kernel = &kv_cache_kernel<scalar_t, table_t, kInterleaved, kVector, index_t>;
+
+  static int blocks_per_sm(int device) {
+    static PerDevice blocks;
+    return blocks.get(device, [](int* count) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(count, kernel, kThreads, 0));
+      *count = std::max(*count, 1);
+    });
+  }
+
+  static void run(const KvCacheParams& p, const int& device) {
+    const cuda_kernel::KvLaunchPlan plan = cuda_kernel::plan_kv_cache(
+        p, sizeof(scalar_t), sizeof(table_t), sm_count(device), blocks_per_sm(device));
+    if (plan.k.items == 0) {
+      return;
+    }
+    kernel<<<plan.grid, kThreads, 0, c10::cuda::getCurrentCUDAStream(device)>>>(plan.k);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype,
+                     c10::Device device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const int index = device.index();
+  cuda_kernel::dispatch_kv_cache<LaunchKvCache>(p, x_dtype, table_dtype, index);
+}
+
 void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                  at::ScalarType table_dtype, c10::Device device) {
   const c10::cuda::CUDAGuard guard(device);
@@ -213,6 +270,9 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
 // Positions are checked in the kernel (a device-side assert), never by reading them back.
 constexpr Backend kCuda{&launch, nullptr, &fill_freqs_cis};
 constexpr NormBackend kCudaNorm{&launch_norm};
+// Slots, as positions, are checked in the kernel (a device-side assert); two tokens given one
+// slot are not detected (that would need the slots read back): documented.
+constexpr KvCacheBackend kCudaKv{&launch_kv_cache, nullptr};
 
 }  // namespace
 }  // namespace cuda
@@ -241,6 +301,10 @@ TORCH_LIBRARY_IMPL(rope_ext, CUDA, m) {
   m.impl("rms_norm_rotary_qk_", &rms_norm_rotary_qk_<cuda::kCuda, cuda::kCudaNorm>);
   m.impl("rms_norm_rotary_qk_backward",
          &rms_norm_rotary_qk_backward<cuda::kCuda, cuda::kCudaNorm>);
+  m.impl("rotary_kv_cache_update",
+         &rotary_kv_cache_update<cuda::kCuda, cuda::kCudaNorm, cuda::kCudaKv>);
+  m.impl("rotary_kv_cache_update_",
+         &rotary_kv_cache_update_<cuda::kCuda, cuda::kCudaNorm, cuda::kCudaKv>);
 }
 
 }  // namespace rope_ext

@@ -7,6 +7,7 @@
 
 #include <type_traits>
 
+#include "kv_cache_cuda_kernel.h"
 #include "rope_cuda_kernel.h"
 
 namespace rope_ext {
@@ -42,6 +43,30 @@ void dispatch_rotary(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarTy
               Run<row_t, table_t, decltype(interleaved)::value, decltype(vec)::value,
                   decltype(mrope)::value, index_t>::run(p, args...);
             });
+          });
+        });
+      });
+    });
+  });
+}
+
+// Calls Run<scalar_t, table_t, kInterleaved, kVector, index_t>::run(p, args...) for the
+// fused KV-cache kernel that serves p (x_dtype: its rows' type; table_dtype: the table's).
+template <template <typename, typename, bool, bool, typename> class Run, typename... Args>
+void dispatch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype,
+                       at::ScalarType table_dtype, Args&... args) {
+  const KvLaunchPlan plan = plan_kv_cache(p, c10::elementSize(x_dtype),
+                                          c10::elementSize(table_dtype), 1, 1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_dtype, "rope_ext_cuda_kv", [&] {
+    using row_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(table_dtype, "rope_ext_cuda_kv_table", [&] {
+      using table_t = scalar_t;
+      with_bool(p.rot.interleaved, [&](auto interleaved) {
+        with_bool(plan.vector, [&](auto vec) {
+          with_bool(plan.wide_index, [&](auto wide_index) {
+            using index_t = std::conditional_t<decltype(wide_index)::value, int64_t, int32_t>;
+            Run<row_t, table_t, decltype(interleaved)::value, decltype(vec)::value,
+                index_t>::run(p, args...);
           });
         });
       });

@@ -10,7 +10,8 @@
 //   - makes a 16-byte access at an address that is not 16-byte aligned;
 //   - writes anything but an element of out;
 // and, after the launch, unless every element of out was written exactly once (pass-through
-// features of an in-place call: never).
+// features of an in-place call: never). The fused KV-cache write's "out" is q's output and
+// both caches: the rows of the call's slots once each, every other slot never.
 #include "rope_cuda_emulate.h"
 
 #include <ATen/Dispatch.h>
@@ -96,8 +97,22 @@ class CheckedMem {
     }
     memcpy(p, &b, sizeof(b));
   }
+  // The first N bytes of b in one store of N bytes (a float8 cache row's chunk).
+  template <int N>
+  void store_bytes(void* p, const Bits128& b) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    TORCH_CHECK(a % N == 0, where(), " made a ", N, "-byte store at an address ", a % N,
+                " bytes past a ", N, "-byte boundary");
+    for (uintptr_t e = a; e < a + N;) {
+      e += check_write(e, 0);
+    }
+    memcpy(p, &b, N);
+  }
   void check_position(bool ok) {
     TORCH_CHECK(ok, where(), " read a position outside [0, rows of freqs_cis)");
+  }
+  void check_slot(bool ok) {
+    TORCH_CHECK(ok, where(), " read a slot at or beyond num_blocks * block_size");
   }
 
   // Raises unless every element of out was written as often as expected.
@@ -378,6 +393,107 @@ struct EmulateNorm {
   }
 };
 
+// Registers what a KV-cache launch may read (q, k and v rows, positions, slots, scales, the
+// table) and must write: each rotated q element once (pass-through ones once out of place,
+// never in place), and every element of both caches once where a token's slot is, never
+// elsewhere (a slot two tokens share is written twice: the race the check reports).
+void map_kv_memory(CheckedMem& mem, const KvCacheParams& p, size_t elem, size_t table_elem) {
+  const RotaryParams& r = p.rot;
+  std::vector<int64_t> written_slots;
+  const size_t pos_elem = r.positions_int64 ? 8 : 4;
+  const size_t slot_elem = p.slots_int64 ? 8 : 4;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const TokenOffsets o = token_offsets(p, t);
+    if (p.q != nullptr) {
+      for (int64_t h = 0; h < p.q_heads; ++h) {
+        const char* q = static_cast<const char*>(p.q) + (o.q + h * p.q_head_stride) * elem;
+        char* out = static_cast<char*>(p.q_out) + (o.q_out + h * p.q_out_head_stride) * elem;
+        for (int64_t f = 0; f < p.head_dim; ++f) {
+          mem.allow_read(q + f * elem, elem);
+          mem.expect_write(out + f * elem, elem,
+                           f < 2 * r.rot_pairs || p.q_out != p.q ? 1 : 0);
+        }
+      }
+    }
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      if (p.k != nullptr) {
+        const char* k = static_cast<const char*>(p.k) + (o.k + h * p.k_head_stride) * elem;
+        for (int64_t f = 0; f < p.head_dim; ++f) mem.allow_read(k + f * elem, elem);
+      }
+      if (p.v != nullptr) {
+        const char* v = static_cast<const char*>(p.v) + (o.v + h * p.v_head_stride) * elem;
+        for (int64_t f = 0; f < p.v_cache.head_dim; ++f) mem.allow_read(v + f * elem, elem);
+      }
+    }
+    if (r.positions != nullptr) {
+      mem.allow_read(static_cast<const char*>(r.positions) + o.pos * pos_elem, pos_elem);
+    }
+    if (p.k != nullptr || p.v != nullptr) {
+      mem.allow_read(static_cast<const char*>(p.slots) + o.slot * slot_elem, slot_elem);
+      const int64_t slot = token_slot(p, o.slot);
+      if (slot >= 0 && slot < p.num_slots) written_slots.push_back(slot);
+    }
+  }
+  const auto* table = static_cast<const char*>(r.table);
+  for (int64_t t = 0; t < r.table_rows; ++t) {
+    for (int64_t i = 0; i < r.rot_pairs; ++i) {
+      const int64_t at = t * r.table_row_stride + i * r.table_pair_stride;
+      mem.allow_read(table + at * table_elem, table_elem);
+      mem.allow_read(table + (at + r.table_cs_stride) * table_elem, table_elem);
+    }
+  }
+  std::vector<int> writes(p.num_slots, 0);
+  for (const int64_t slot : written_slots) ++writes[slot];
+  for (const auto& [c, source] : {std::pair<const CacheTarget*, const void*>{&p.k_cache, p.k},
+                                  {&p.v_cache, p.v}}) {
+    const size_t cache_elem = c->store == CacheStore::kSame ? elem : 1;
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      if (c->store != CacheStore::kSame) {
+        mem.allow_read(c->scale + h * c->scale_stride, sizeof(float));
+      }
+      for (int64_t slot = 0; slot < p.num_slots; ++slot) {
+        char* row = static_cast<char*>(c->data) +
+                    (cache_row(*c, slot, p.block_size) + h * c->head_stride) * cache_elem;
+        for (int64_t f = 0; f < c->head_dim; ++f) {
+          // A slot two tokens share expects one write and gets two: reported.
+          mem.expect_write(row + f * cache_elem, cache_elem,
+                           source != nullptr && writes[slot] > 0 ? 1 : 0);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename table_t, bool kInterleaved, bool kVector, typename index_t>
+struct EmulateKvCache {
+  static void run(const KvCacheParams& p) {
+    const cuda_kernel::KvLaunchPlan plan = cuda_kernel::plan_kv_cache(
+        p, sizeof(scalar_t), sizeof(table_t), g_sm_count.load(), g_blocks_per_sm.load());
+    TORCH_INTERNAL_ASSERT(plan.vector == kVector && plan.wide_index == (sizeof(index_t) == 8));
+    CheckedMem mem;
+    map_kv_memory(mem, p, sizeof(scalar_t), sizeof(table_t));
+    if (plan.k.items > 0) {
+      for (int64_t block = 0; block < plan.grid; ++block) {
+        for (int32_t thread = 0; thread < kThreads; ++thread) {
+          mem.at(block, thread);
+          cuda_kernel::kv_cache_thread<scalar_t, table_t, kInterleaved, kVector, index_t>(
+              plan.k, block * kThreads + thread, plan.grid * kThreads, mem);
+        }
+      }
+    }
+    mem.check_all_written();
+    const cuda_kernel::KvKernelParams& k = plan.k;
+    std::ostringstream s;
+    s << "kv_cache vector=" << kVector << " index=" << 8 * sizeof(index_t)
+      << " interleaved=" << kInterleaved << " grid=" << plan.grid << " items=" << k.items
+      << " lanes=" << k.lanes << " rows=(" << k.q_rows << " " << k.k_rows << " " << k.v_rows
+      << ") row_lanes=(" << k.q_lanes << " " << k.k_lanes << " " << k.v_lanes
+      << ") rotary_lanes=" << k.rotary_lanes << " reads=" << mem.reads()
+      << " writes=" << mem.writes();
+    log_line(s.str());
+  }
+};
+
 std::string set_emulation(int64_t sm_count, int64_t blocks_per_sm) {
   TORCH_CHECK_VALUE(sm_count >= 0 && blocks_per_sm >= 1,
                     "_cuda_emulation: sm_count must be >= 0 and blocks_per_sm >= 1, got ",
@@ -430,6 +546,10 @@ void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double ma
 void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                  at::ScalarType table_dtype) {
   cuda_kernel::dispatch_norm<EmulateNorm>(p, backward, x_dtype, table_dtype);
+}
+
+void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype) {
+  cuda_kernel::dispatch_kv_cache<EmulateKvCache>(p, x_dtype, table_dtype);
 }
 
 }  // namespace cuda_emulation

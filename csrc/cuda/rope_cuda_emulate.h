@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "../kv_cache.h"
 #include "../qk_norm.h"
 
 namespace rope_ext {
@@ -15,6 +16,7 @@ void launch(const RotaryParams& p, at::ScalarType x_dtype, at::ScalarType table_
 void fill_freqs_cis(const at::Tensor& out, const at::Tensor& inv_freq, double magnitude);
 void launch_norm(const NormRotaryParams& p, bool backward, at::ScalarType x_dtype,
                  at::ScalarType table_dtype);
+void launch_kv_cache(const KvCacheParams& p, at::ScalarType x_dtype, at::ScalarType table_dtype);
 
 }  // namespace cuda_emulation
 }  // namespace rope_ext
