@@ -65,16 +65,18 @@ struct KvCacheParams {
 };
 
 // Offsets of token `token` (linear over the token dims, last fastest): q, q_out, k, v,
-// positions and slots, each by its strides.
+// positions and slots, each by its strides. index_t: the type of the division (the CUDA
+// kernel divides in 32 bits where every offset fits).
 struct TokenOffsets {
   int64_t q, q_out, k, v, pos, slot;
 };
 
-ROPE_HD TokenOffsets token_offsets(const KvCacheParams& p, int64_t token) {
+template <typename index_t = int64_t>
+ROPE_HD TokenOffsets token_offsets(const KvCacheParams& p, index_t token) {
   TokenOffsets o{0, 0, 0, 0, 0, 0};
   for (int64_t d = p.ndim - 1; d >= 0; --d) {
-    const int64_t idx = token % p.sizes[d];
-    token /= p.sizes[d];
+    const index_t idx = token % static_cast<index_t>(p.sizes[d]);
+    token /= static_cast<index_t>(p.sizes[d]);
     o.q += idx * p.q_strides[d];
     o.q_out += idx * p.q_out_strides[d];
     o.k += idx * p.k_strides[d];

@@ -165,7 +165,7 @@ ROPE_HD void kv_cache_thread(const KvKernelParams& kp, int64_t item0, int64_t st
     if (lane >= row_lanes) {
       continue;
     }
-    const TokenOffsets o = token_offsets(p, static_cast<int64_t>(token));
+    const TokenOffsets o = token_offsets<index_t>(p, token);
     // Where the row goes, and in what form.
     const scalar_t* src;
     void* dst;
