@@ -23,6 +23,7 @@ fails here (CI builds sm_90 and sets ROPE_EXT_EXPECT_CUDA=1, so there this canno
   registers (kNormMinBlocks = 2 blocks of 256 threads per SM).
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -88,7 +89,9 @@ def test_sass_parser_counts_every_access_by_width():
     assert kernel.wide_store_share == 1 / 3
 
 
+@functools.cache
 def _kernels():
+    """Every kernel of the build's SASS, parsed once (a second or more per cuobjdump call)."""
     info = rope_ext.build_info()
     if info["cuda"] != "yes" or ARCH not in info["cuda_archs"].split():
         if EXPECTED:
