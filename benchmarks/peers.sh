@@ -52,7 +52,8 @@ have "$PEERS/wheels/apache_tvm_ffi-$TVM_FFI-*.whl" ||
 sdist="$CACHE/flash_attn-$FLASH_ATTN.tar.gz"
 if [ ! -s "$PEERS/flash-attn/rotary.py" ]; then
   if [ ! -s "$sdist" ]; then
-    url=$(curl -fsSL "$INDEX/flash-attn/" | grep -o "https://[^\"]*/flash_attn-$FLASH_ATTN\.tar\.gz#sha256=[0-9a-f]*")
+    url=$(curl -fsSL "$INDEX/flash-attn/" |
+      grep -o "https://[^\"]*/flash_attn-$FLASH_ATTN\.tar\.gz#sha256=[0-9a-f]*")
     curl -fsSL -o "$sdist.partial" "${url%%#*}"
     echo "${url##*#sha256=}  $sdist.partial" | sha256sum -c --quiet
     mv "$sdist.partial" "$sdist"
@@ -66,7 +67,8 @@ fi
 # FlashInfer: the whole wheel stays in the cache; the trimmed one is made again when the
 # trimming script changes.
 trimmed="$PEERS/wheels/flashinfer_python-$FLASHINFER+rope-py3-none-any.whl"
-have "$CACHE/flashinfer_python-$FLASHINFER-*.whl" || fetch_wheel "flashinfer-python==$FLASHINFER" "$CACHE"
+have "$CACHE/flashinfer_python-$FLASHINFER-*.whl" ||
+  fetch_wheel "flashinfer-python==$FLASHINFER" "$CACHE"
 whole=$(compgen -G "$CACHE/flashinfer_python-$FLASHINFER-*.whl" | head -1)
 if [ ! "$trimmed" -nt benchmarks/trim_flashinfer.py ] || [ ! "$trimmed" -nt "$whole" ]; then
   "$PY" benchmarks/trim_flashinfer.py trim "$whole" "$PEERS/wheels" > /dev/null
@@ -75,7 +77,8 @@ fi
 if "$PY" -c "import torch" 2> /dev/null; then
   # apache-tvm-ffi (and, where missing, pynvml) for this interpreter, in a folder of their own.
   have "$CACHE/local/apache_tvm_ffi-$TVM_FFI-*.whl" ||
-    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$CACHE/local" "apache-tvm-ffi==$TVM_FFI"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$CACHE/local" \
+      "apache-tvm-ffi==$TVM_FFI"
   "$PY" -c "import pynvml" 2> /dev/null || have "$CACHE/local/nvidia_ml_py-*.whl" ||
     "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$CACHE/local" nvidia-ml-py
   rm -rf "$CACHE/check-site"

@@ -49,8 +49,8 @@ INCLUDE = "flashinfer/data/include/"
 WHOLE_TREES = (INCLUDE, "flashinfer/data/cccl/cub/", "flashinfer/data/cccl/libcudacxx/include/",
                "flashinfer/data/cccl/thrust/")
 LOCAL_VERSION = "rope"  # the trimmed wheel's version: <the wheel's>+rope
-STUB_INIT = '''"""flashinfer-python {version} trimmed to flashinfer.rope and what it imports, by rope_ext's
-benchmarks/trim_flashinfer.py. The package's own __init__ imports every op."""
+STUB_INIT = '''"""flashinfer-python {version} trimmed to flashinfer.rope and what it imports,
+by rope_ext's benchmarks/trim_flashinfer.py. The package's own __init__ imports every op."""
 
 from .version import __version__ as __version__
 from .version import __git_commit__ as __git_commit__
