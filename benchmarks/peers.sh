@@ -53,15 +53,17 @@ sdist="$CACHE/flash_attn-$FLASH_ATTN.tar.gz"
 if [ ! -s "$PEERS/flash-attn/rotary.py" ]; then
   if [ ! -s "$sdist" ]; then
     url=$(curl -fsSL "$INDEX/flash-attn/" |
-      grep -o "https://[^\"]*/flash_attn-$FLASH_ATTN\.tar\.gz#sha256=[0-9a-f]*")
+      grep -o -m1 "https://[^\"]*/flash_attn-$FLASH_ATTN\.tar\.gz#sha256=[0-9a-f]*") ||
+      { echo "peers.sh: $INDEX/flash-attn/ links no flash_attn-$FLASH_ATTN.tar.gz" >&2; exit 1; }
     curl -fsSL -o "$sdist.partial" "${url%%#*}"
     echo "${url##*#sha256=}  $sdist.partial" | sha256sum -c --quiet
     mv "$sdist.partial" "$sdist"
   fi
-  tar -xzf "$sdist" -O "flash_attn-$FLASH_ATTN/flash_attn/ops/triton/rotary.py" \
-    > "$PEERS/flash-attn/rotary.py"
   tar -xzf "$sdist" -O "flash_attn-$FLASH_ATTN/LICENSE" > "$PEERS/flash-attn/LICENSE"
   echo "$FLASH_ATTN" > "$PEERS/flash-attn/VERSION"
+  tar -xzf "$sdist" -O "flash_attn-$FLASH_ATTN/flash_attn/ops/triton/rotary.py" \
+    > "$PEERS/flash-attn/rotary.py.partial"
+  mv "$PEERS/flash-attn/rotary.py.partial" "$PEERS/flash-attn/rotary.py"
 fi
 
 # FlashInfer: the whole wheel stays in the cache; the trimmed one is made again when the
