@@ -43,10 +43,11 @@ def run(code: str, where: str) -> tuple[int, str]:
                 warnings.simplefilter("error", RuntimeWarning)
                 exec(compile(code, where, "exec"), {"__name__": "__main__"})
                 status = 0
-            except SystemExit as e:
-                status = e.code if isinstance(e.code, int) else (e.code is not None)
-                if not isinstance(e.code, int) and e.code is not None:
-                    print(e.code, file=sys.stderr)
+            except SystemExit as e:  # as a script ends: an int is the status, text is said
+                if isinstance(e.code, int) or e.code is None:
+                    status = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)  # and the status stays 1
             except BaseException:  # noqa: BLE001 - printed, and the block fails
                 traceback.print_exc()
             finally:
