@@ -356,15 +356,15 @@ def mrope_positions(
                 parts.append(torch.arange(start, start + j - i).expand(3, -1))
                 start += j - i
             else:
-                t, h, w = next(grids[kind])
-                h, w = h // spatial_merge_size, w // spatial_merge_size
+                thw = next(grids[kind])  # the grid as given, for the message
+                t, h, w = thw[0], thw[1] // spatial_merge_size, thw[2] // spatial_merge_size
                 interval = video_time_interval if kind == 2 else 1.0
                 frames = (torch.arange(t) * interval).long()
                 grid = torch.stack(torch.meshgrid(frames, torch.arange(h), torch.arange(w),
                                                   indexing="ij")).reshape(3, -1) + start
                 if grid.shape[1] != j - i:
                     raise ValueError(f"mrope_positions: a vision block of {j - i} tokens at "
-                                     f"token {i} does not match its grid {[t, h, w]} "
+                                     f"token {i} does not match its grid {thw} "
                                      f"({grid.shape[1]} tokens after the spatial merge)")
                 parts.append(grid)
                 start += max(h, w)

@@ -1,6 +1,7 @@
 """rope_ext against the float64 eager reference, over dtypes, layouts, pairings, partial
 rotary, positions, strides and in-place calls."""
 
+import re
 import zlib
 
 import pytest
@@ -30,6 +31,8 @@ def make_layout(name, device, dtype, gen):
         return randn(B, H, S, D), dict(seq_dim=2)
     if name == "negative_seq_dim":
         return randn(B, H, S, D), dict(seq_dim=-2)
+    if name == "sequence_first":  # [S, B, H, D], as Megatron lays out activations
+        return randn(S, B, H, D), dict(seq_dim=0)
     if name == "offset":
         return randn(B, S, H, D), dict(offset=P - S)
     if name == "decode":
@@ -53,8 +56,8 @@ def make_layout(name, device, dtype, gen):
 
 
 LAYOUTS = [
-    "llama", "llama_3d", "hf", "negative_seq_dim", "offset", "decode", "positions_bs1",
-    "hf_positions_int32", "packed", "positions_per_head", "fused_qkv_slice",
+    "llama", "llama_3d", "hf", "negative_seq_dim", "sequence_first", "offset", "decode",
+    "positions_bs1", "hf_positions_int32", "packed", "positions_per_head", "fused_qkv_slice",
     "strided_features", "storage_offset",
 ]
 
@@ -247,6 +250,24 @@ def test_wrappers_leave_off_only_schema_defaults(op, names, defaults):
     assert tuple(a.default_value for a in tail) == defaults
 
 
+@pytest.mark.parametrize("eager, public", [
+    (reference.apply_rotary, rope_ext.apply_rotary),
+    (reference.rms_norm_rotary, rope_ext.rms_norm_rotary_qk),
+], ids=["apply_rotary", "rms_norm_rotary"])
+def test_eager_path_defaults_are_the_public_functions(eager, public):
+    # The eager path is the fallback and the tests' oracle: a keyword left out means there
+    # what it means to a user.
+    import inspect
+
+    def defaults(fn):
+        return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    eager_defaults, public_defaults = defaults(eager), defaults(public)
+    assert eager_defaults and eager_defaults.keys() <= public_defaults.keys()
+    assert eager_defaults == {name: public_defaults[name] for name in eager_defaults}
+
+
 def test_eager_calls_reach_torch_function_modes(device):
     # The wrappers call the overloads' C++ entry points in eager mode; torch function modes
     # (and subclasses) still see the op, with every argument the wrapper passed.
@@ -275,6 +296,70 @@ def test_eager_calls_reach_torch_function_modes(device):
     assert call_args[3:] == (None, 3, 1, False)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_traced_calls_reach_the_ops():
+    # Under torch.compile the wrappers call the ops, never the eager entries (C functions
+    # Dynamo cannot trace): one graph, the eager call's bits. Dynamo alone (backend "eager")
+    # keeps this quick; test_compile.py runs Inductor.
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 5, 4, 16, generator=gen), torch.randn(2, 5, 2, 16, generator=gen)
+    table = rope_ext.precompute_freqs_cis(16, 8)
+    weight = torch.rand(16, generator=gen) + 0.5
+    calls = {
+        "apply_rotary": lambda q, k: (rope_ext.apply_rotary(q, table, offset=2),),
+        "apply_rotary_qk": lambda q, k: rope_ext.apply_rotary_qk(q, k, table, interleaved=False),
+        "rms_norm_rotary_qk": lambda q, k: rope_ext.rms_norm_rotary_qk(q, k, weight, weight, table,
+                                                                       weight_offset=1.0),
+    }
+    for name, call in calls.items():
+        torch._dynamo.reset()
+        traced = torch.compile(call, backend="eager", fullgraph=True)
+        for got, want in zip(traced(q, k), call(q, k)):
+            assert torch.equal(got, want), name
+
+
+@pytest.fixture
+def mesh_of_one():
+    """A one-process gloo group and its 1-D CPU mesh: DTensors in this process
+    (test_distributed.py spawns two ranks)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("no torch.distributed/gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_inputs_take_the_distributed_path(mesh_of_one):
+    # The wrappers know DTensor q and k and give the ops the table and positions as
+    # DTensors too: DTensors back, with the plain call's values.
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 5, 4, 16, generator=gen), torch.randn(2, 5, 2, 16, generator=gen)
+    table = rope_ext.precompute_freqs_cis(16, 8)
+    positions = torch.randint(0, 8, (2, 5, 1), generator=gen)
+    weight = torch.rand(16, generator=gen) + 0.5
+    dq, dk = (distribute_tensor(t, mesh_of_one, [Shard(0)]) for t in (q, k))
+    calls = {
+        "apply_rotary": lambda q, k: (rope_ext.apply_rotary(q, table, positions=positions),),
+        "apply_rotary_qk": lambda q, k: rope_ext.apply_rotary_qk(q, k, table, offset=1),
+        "rms_norm_rotary_qk": lambda q, k: rope_ext.rms_norm_rotary_qk(
+            q, k, weight, weight, table, positions=positions),
+    }
+    for name, call in calls.items():
+        for got, want in zip(call(dq, dk), call(q, k)):
+            assert isinstance(got, DTensor), name
+            assert torch.equal(got.full_tensor(), want), name
+    with pytest.raises(ValueError, match="apply_rotary_qk: q and k must be DTensors on one "
+                       "device mesh, got .* and a plain tensor"):
+        rope_ext.apply_rotary_qk(dq, k, table)
 
 
 _ENTRY_OPS = ("apply_rotary", "apply_rotary_", "apply_rotary_qk", "apply_rotary_qk_",
@@ -445,16 +530,44 @@ def test_llama_drop_in(device):
 
 
 def test_hf_rotate_half_equivalence(device):
-    table = rope_ext.precompute_freqs_cis(64, 32, device=device)
+    table = rope_ext.precompute_freqs_cis(64, 40, device=device)
     angles = torch.view_as_real(table)
-    cos = torch.cat([angles[..., 0], angles[..., 0]], -1)[None]  # [1, S, D]
-    sin = torch.cat([angles[..., 1], angles[..., 1]], -1)[None]
+    cos = torch.cat([angles[..., 0], angles[..., 0]], -1)  # [P, D]
+    sin = torch.cat([angles[..., 1], angles[..., 1]], -1)
     q = torch.randn(2, 4, 32, 64, device=device)
     k = torch.randn(2, 2, 32, 64, device=device)
-    want = reference.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    want = reference.hf_apply_rotary_pos_emb(q, k, cos[None, :32], sin[None, :32])
     got = rope_ext.apply_rotary_qk(q, k, table, seq_dim=2, interleaved=False)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+    # position_ids [B, S] of their own per sequence: cos and sin [B, S, D]
+    position_ids = torch.arange(32, device=device) + torch.tensor([[0], [7]], device=device)
+    want = reference.hf_apply_rotary_pos_emb(q, k, cos[position_ids], sin[position_ids])
+    got = rope_ext.apply_rotary_qk(q, k, table, positions=position_ids[:, None],
+                                   interleaved=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6)
+
+
+def test_positions_from_cu_seqlens():
+    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
+    want = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0], dtype=torch.int32).unsqueeze(-1)
+    assert torch.equal(rope_ext.positions_from_cu_seqlens(cu), want)
+    assert torch.equal(rope_ext.positions_from_cu_seqlens(cu.long(), total_tokens=9), want.long())
+    q = torch.randn(9, 4, 32)
+    table = rope_ext.precompute_freqs_cis(32, 16)
+    got = rope_ext.apply_rotary(q, table, positions=rope_ext.positions_from_cu_seqlens(cu),
+                                seq_dim=0)
+    # Each sequence rotated as if alone.
+    for start, end in [(0, 3), (3, 8), (8, 9)]:
+        alone = rope_ext.apply_rotary(q[start:end], table, seq_dim=0)
+        torch.testing.assert_close(got[start:end], alone)
+    assert rope_ext.positions_from_cu_seqlens(torch.tensor([0])).shape == (0, 1)  # no sequence
+    for bad in (torch.tensor([], dtype=torch.long), cu.view(1, 5)):
+        with pytest.raises(ValueError, match=re.escape(
+                "positions_from_cu_seqlens: cu_seqlens must be 1-D with at least one entry, "
+                f"got shape {list(bad.shape)}")):
+            rope_ext.positions_from_cu_seqlens(bad)
 
 
 def test_relative_position_property(device):

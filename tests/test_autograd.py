@@ -131,6 +131,33 @@ def test_table_gradient_with_positions_and_offset(device, mrope, interleaved, in
         torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("seq_dim", [0, 1, 2, -2, -3, -4])
+def test_table_gradient_along_any_seq_dim(device, seq_dim):
+    """Without positions, row i along seq_dim (given either way) reads table row offset + i:
+    the table's gradient against the rotation composed of stock ops in float64."""
+    gen = torch.Generator().manual_seed(7)
+    offset = 2
+    x0 = torch.randn(4, 5, 3, 12, generator=gen, dtype=torch.float64).to(device)
+    weight = torch.randn(4, 5, 3, 12, generator=gen, dtype=torch.float64).to(device)
+    table0 = torch.view_as_real(rope_ext.precompute_freqs_cis(8, 10, device=device,
+                                                              dtype=torch.float64))
+    dim = seq_dim % 4
+    shape = [1, 1, 1]
+    shape[dim] = x0.shape[dim]
+    rows = (torch.arange(x0.shape[dim], device=device) + offset).view(shape).expand(4, 5, 3)
+    rows = rows.unsqueeze(-1).expand(4, 5, 3, 4)
+
+    def table_gradient(rotate):
+        table = table0.clone().requires_grad_()
+        (rotate(x0, table) * weight).sum().backward()
+        return table.grad
+
+    got = table_gradient(lambda x, table: rope_ext.apply_rotary(x, table, offset=offset,
+                                                                seq_dim=seq_dim))
+    want = table_gradient(lambda x, table: rotated_by_hand(x, table, rows, True))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
 def test_inplace_on_leaf_requiring_grad_is_refused(device):
     x = torch.randn(1, 4, 16, device=device, requires_grad=True)
     table = rope_ext.precompute_freqs_cis(16, 4, device=device)

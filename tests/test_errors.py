@@ -23,6 +23,8 @@ APPLY_CASES = [
      "apply_rotary: x must be a float16, bfloat16, float32 or float64 tensor, got Long"),
     ("0-dim x", "apply_rotary", (torch.tensor(1.0), T), {}, ValueError,
      "apply_rotary: x must have at least 2 dims (a sequence dim and head_dim), got 0"),
+    ("1-dim x", "apply_rotary", (x_(16), T), {}, ValueError,
+     "apply_rotary: x must have at least 2 dims (a sequence dim and head_dim), got 1"),
     ("too many dims", "apply_rotary", (x_(*[1] * 9, 16), T), {}, ValueError,
      "apply_rotary: x must have at most 9 dims, got 10"),
     ("table rank", "apply_rotary", (x_(1, 4, 16), T[0]), {}, ValueError,
@@ -81,6 +83,9 @@ APPLY_CASES = [
     ("qk sequence", "apply_rotary_qk", (x_(1, 4, 2, 16), x_(1, 5, 2, 16), T), {}, ValueError,
      "apply_rotary_qk: q and k must agree on dim 1 (batch and seq_dim; only head counts may "
      "differ), got 4 and 5"),
+    ("qk tokens along seq_dim 0", "apply_rotary_qk", (x_(4, 2, 16), x_(5, 2, 16), T),
+     dict(seq_dim=0), ValueError, "apply_rotary_qk: q and k must agree on dim 0 (batch and "
+     "seq_dim; only head counts may differ), got 4 and 5"),
     ("qk with positions: k not broadcastable", "apply_rotary_qk",
      (x_(6, 8, 16), x_(5, 2, 16), T, torch.zeros(6, 1, dtype=torch.long)), {}, ValueError,
      "apply_rotary_qk: positions of shape [6, 1] is not broadcastable to k.shape[:-1] = [5, 2]"),
@@ -132,21 +137,84 @@ def test_fallback_mirrors_error(case, monkeypatch):
         public_call(op, args, kwargs)
 
 
-@pytest.mark.parametrize("positions,lo,hi", [([0, 8], 0, 8), ([-1, 3], -1, 3)])
+def _positions(*rows):
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# Calls at the very limits of what the ops take: (name, op, args, kwargs).
+ACCEPTED_CASES = [
+    ("one rotary pair", "apply_rotary", (x_(1, 4, 16), T[:, :1].contiguous()), {}),
+    ("rotary dim is head_dim", "apply_rotary", (x_(1, 4, 16), T), {}),
+    ("2 dims", "apply_rotary", (x_(4, 16), T), dict(seq_dim=0)),
+    ("9 dims", "apply_rotary", (x_(*[1] * 6, 2, 4, 16), T), dict(seq_dim=7)),
+    ("seq_dim -ndim", "apply_rotary", (x_(4, 2, 16), T), dict(seq_dim=-3)),
+    ("sequence fills the table", "apply_rotary", (x_(1, 5, 16), T), dict(offset=3)),
+    ("positions on the first and last rows", "apply_rotary",
+     (x_(2, 4, 16), T, _positions([-2], [5])), dict(offset=2)),
+    ("positions of fewer dims", "apply_rotary", (x_(2, 4, 16), T, _positions(3, 1, 0, 7)), {}),
+    ("MRoPE on one axis", "apply_rotary", (x_(2, 4, 16), T, torch.ones(1, 2, 4, dtype=torch.long)),
+     dict(mrope_section=[8])),
+    ("MRoPE on four axes", "apply_rotary", (x_(2, 4, 16), T, torch.ones(4, 1, 4, dtype=torch.long)),
+     dict(mrope_section=[2, 2, 0, 4])),
+    ("MRoPE positions of one value per axis", "apply_rotary", (x_(2, 4, 16), T, _positions(1, 5)),
+     dict(mrope_section=[4, 4])),
+    ("interleaved MRoPE below R/2", "apply_rotary",
+     (x_(2, 4, 16), T, torch.ones(3, 2, 4, dtype=torch.long)),
+     dict(mrope_section=[2, 2, 2], mrope_interleaved=True)),
+    ("interleaved MRoPE at R/2", "apply_rotary",
+     (x_(2, 4, 16), T, torch.ones(3, 2, 4, dtype=torch.long)),
+     dict(mrope_section=[2, 3, 3], mrope_interleaved=True)),
+    ("qk head counts differ", "apply_rotary_qk", (x_(1, 4, 3, 16), x_(1, 4, 1, 16), T), {}),
+    ("qk with positions: ranks differ", "apply_rotary_qk",
+     (x_(6, 2, 16), x_(1, 6, 1, 16), T, _positions([1], [0], [2], [7], [3], [4])), {}),
+    ("in place, size-1 dim of stride 0", "apply_rotary_", (x_(4, 16).expand(1, 4, 16), T), {}),
+]
+
+
+@pytest.mark.parametrize("case", ACCEPTED_CASES, ids=[c[0] for c in ACCEPTED_CASES])
+def test_limits_are_accepted_on_every_path(case, monkeypatch):
+    # The native op, its fake kernel and the eager fallback take the same calls: the Python
+    # checks refuse nothing the C++ ones accept.
+    _, op, args, kwargs = case
+
+    def fresh():  # the same layout and values for each path (in-place calls write them)
+        return [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype).copy_(a)
+                if isinstance(a, torch.Tensor) else a for a in args]
+
+    native_args = fresh()
+    native = run_op(op, native_args, kwargs)
+    native = native_args[:1] if native is None else native
+    native = list(native) if isinstance(native, (list, tuple)) else [native]
+    fake_args = fresh()
+    with FakeTensorMode() as mode:
+        fake = run_op(op, [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                           for a in fake_args], kwargs)
+    if fake is not None:
+        fake = list(fake) if isinstance(fake, (list, tuple)) else [fake]
+        assert [f.shape for f in fake] == [n.shape for n in native]
+    monkeypatch.setattr(_native, "NATIVE_DEVICES", frozenset())
+    fallback = public_call(op, fresh(), kwargs)
+    fallback = list(fallback) if isinstance(fallback, (list, tuple)) else [fallback]
+    for got, want in zip(fallback, native, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("positions,lo,hi", [([0, 12], 0, 12), ([-1, 3], -1, 3)])
 @pytest.mark.parametrize("native", [True, False])
 def test_positions_out_of_range_leave_input_untouched(positions, lo, hi, native, monkeypatch):
     if not native:
         monkeypatch.setattr(_native, "NATIVE_DEVICES", frozenset())
+    table = torch.view_as_real(rope_ext.precompute_freqs_cis(16, 12))  # 12 rows, 8 pairs
     x = x_(2, 1, 2, 16)
     before = x.clone()
     pos = torch.tensor(positions).view(2, 1, 1)
-    message = (f"apply_rotary_: offset + positions must lie in [0, 8) (the rows of freqs_cis), "
+    message = (f"apply_rotary_: offset + positions must lie in [0, 12) (the rows of freqs_cis), "
                f"got values in [{lo}, {hi}]")
     with pytest.raises(IndexError, match=re.escape(message)):
-        rope_ext.apply_rotary(x, T, positions=pos, inplace=True)
+        rope_ext.apply_rotary(x, table, positions=pos, inplace=True)
     torch.testing.assert_close(x, before, atol=0, rtol=0)
     with pytest.raises(IndexError, match="offset \\+ positions must lie in"):
-        rope_ext.apply_rotary(x, T, positions=pos - lo + 6, offset=2)
+        rope_ext.apply_rotary(x, table, positions=pos - lo + 10, offset=2)
 
 
 @pytest.mark.parametrize("case", [c for c in APPLY_CASES if c[1].startswith("apply_rotary")],
@@ -165,7 +233,10 @@ def test_rejected_inplace_call_writes_nothing(case):
             torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
 
 
-def test_qk_inplace_overlap():
+@pytest.mark.parametrize("native", [True, False])
+def test_qk_inplace_overlap(native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(_native, "NATIVE_DEVICES", frozenset())
     q = x_(1, 4, 2, 16)
     before = q.clone()
     message = "apply_rotary_qk_: q and k overlap in memory; an in-place call needs them disjoint"

@@ -63,6 +63,23 @@ def test_fallback_autograd(no_native):
     assert torch.autograd.gradcheck(lambda x, t: rope_ext.apply_rotary(x, t), (x, table))
 
 
+def test_fallback_tables(no_native, monkeypatch):
+    """Where the device has no native kernel the compiled CPU kernel still makes the table,
+    scaled ones included; without the library the eager path makes the default table and
+    says that scaled ones need the library."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    with pytest.warns(RuntimeWarning, match="eager complex-multiply path"):
+        got = rope_ext.precompute_freqs_cis(32, 40, rope_scaling=yarn)
+    assert torch.equal(got, _call_native(rope_ext.precompute_freqs_cis, 32, 40,
+                                         rope_scaling=yarn))
+    monkeypatch.setattr(_native, "LOADED", False)
+    torch.testing.assert_close(rope_ext.precompute_freqs_cis(32, 40, dtype=torch.float64),
+                               reference.precompute_freqs_cis(32, 40, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="precompute_freqs_cis: rope_type 'yarn' needs the "
+                       "compiled extension, which did not load"):
+        rope_ext.precompute_freqs_cis(32, 40, rope_scaling=yarn)
+
+
 # Each in-place entry on q and k: (q, k, table, norm weight) -> what it returns.
 INPLACE_ENTRIES = {
     "apply_rotary": lambda q, k, t, w, **kw: (rope_ext.apply_rotary(q, t, inplace=True, **kw),

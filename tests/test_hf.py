@@ -268,20 +268,6 @@ def test_compiled_model(patched):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_positions_from_cu_seqlens():
-    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
-    want = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0], dtype=torch.int32).unsqueeze(-1)
-    assert torch.equal(rope_ext.positions_from_cu_seqlens(cu), want)
-    assert torch.equal(rope_ext.positions_from_cu_seqlens(cu.long(), total_tokens=9), want.long())
-    q = torch.randn(9, 4, 32)
-    table = rope_ext.precompute_freqs_cis(32, 16)
-    got = rope_ext.apply_rotary(q, table, positions=rope_ext.positions_from_cu_seqlens(cu), seq_dim=0)
-    # Each sequence rotated as if alone.
-    for start, end in [(0, 3), (3, 8), (8, 9)]:
-        alone = rope_ext.apply_rotary(q[start:end], table, seq_dim=0)
-        torch.testing.assert_close(got[start:end], alone)
-
-
 # ----------------------------------------------------------------------------- every variant
 
 def variant_function(v):

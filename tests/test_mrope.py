@@ -2,6 +2,8 @@
 by the position of its axis. Against the float64 reference, against transformers' own rotary
 modules, through autograd, opcheck and torch.compile, and the bad-input messages."""
 
+import re
+
 import pytest
 import torch
 
@@ -190,6 +192,8 @@ BAD = [
      "mrope_section needs positions of shape [3, ...] (one position per axis), got none"),
     (dict(mrope_section=[16, 24, 24], positions=torch.zeros(2, 2, 5, 1, dtype=torch.long)),
      "positions must have a leading dim of len(mrope_section) = 3, got shape [2, 2, 5, 1]"),
+    (dict(mrope_section=[16, 24, 24], positions=torch.tensor(0)),
+     "positions must have a leading dim of len(mrope_section) = 3, got shape []"),
     (dict(mrope_section=[16, 24, 24], positions=torch.zeros(3, 2, 6, 1, dtype=torch.long)),
      "positions of shape [3, 2, 6, 1] (after its leading axis dim) is not broadcastable"),
 ]
@@ -220,6 +224,30 @@ def test_pair_axes():
     assert reference.mrope_pair_axes(8, [2, 3, 3]) == [0, 0, 1, 1, 1, 2, 2, 2]
     # Qwen3-VL: height on i % 3 == 1 below 3 * 2, width on i % 3 == 2 below 3 * 1.
     assert reference.mrope_pair_axes(9, [4, 2, 1], True) == [0, 1, 2, 0, 1, 0, 0, 0, 0]
+
+
+def test_mrope_positions_lay_out_text_images_and_videos():
+    """Text counts up on all three axes; a vision block's patches (merged 2 x 2 to a token)
+    take (start + frame * interval, start + row, start + column), and the text after it
+    continues from start + max(rows, columns). Written out by hand (test_hf_mrope.py checks
+    the same against transformers' get_rope_index)."""
+    # text 2, an image of 1 x 4 x 4 patches (2 x 2 tokens), text 1, a video of 2 frames of
+    # 2 x 4 patches (1 x 2 tokens each, 3 time units apart), text 1; then a text-only sequence
+    types = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 0], [0] * 12])
+    positions, deltas = rope_ext.mrope_positions(
+        types, torch.tensor([[1, 4, 4]]), torch.tensor([[2, 2, 4]]), video_time_interval=3.0)
+    want = torch.tensor([[0, 1, 2, 2, 2, 2, 4, 5, 5, 8, 8, 7],    # time
+                         [0, 1, 2, 2, 3, 3, 4, 5, 5, 5, 5, 7],    # height
+                         [0, 1, 2, 3, 2, 3, 4, 5, 6, 5, 6, 7]])   # width
+    assert torch.equal(positions, torch.stack([want, torch.arange(12).expand(3, 12)], 1))
+    assert deltas.tolist() == [8 + 1 - 12, 0]
+    one, delta = rope_ext.mrope_positions(types[0], torch.tensor([[1, 4, 4]]),
+                                          torch.tensor([[2, 2, 4]]), video_time_interval=3.0)
+    assert torch.equal(one, want) and delta.tolist() == [-3]
+    with pytest.raises(ValueError, match=re.escape(
+            "mrope_positions: a vision block of 3 tokens at token 1 does not match its grid "
+            "[1, 4, 4] (4 tokens after the spatial merge)")):
+        rope_ext.mrope_positions(torch.tensor([0, 1, 1, 1]), torch.tensor([[1, 4, 4]]))
 
 
 @pytest.mark.parametrize("kw", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])

@@ -8,6 +8,7 @@ Python checks the fallback runs.
 import contextlib
 import itertools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,6 +109,29 @@ def test_qk_overlap_matches_enumeration():
     assert min(seen.values()) > 30, seen
 
 
+def test_qk_sharing_strides_matches_enumeration():
+    # q and k as views of one projection lay them out: the same strides, k at an offset of its
+    # own and with its own head count.
+    gen = torch.Generator().manual_seed(2)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        buffer = torch.randn(160)
+        q = random_view(buffer, gen)
+        sizes = list(q.shape)
+        if len(sizes) > 2:
+            sizes[-2] = int(torch.randint(1, 4, (), generator=gen))
+        extent = sum((n - 1) * s for n, s in zip(sizes, q.stride())) + 1
+        offset = int(torch.randint(0, buffer.numel() - extent + 1, (), generator=gen))
+        k = buffer.as_strided(sizes, q.stride(), offset)
+        q_at, k_at = offsets(q), offsets(k)
+        if len(set(q_at)) < len(q_at) or len(set(k_at)) < len(k_at):
+            continue  # internal overlap: test_internal_overlap_matches_enumeration
+        overlapping = bool(set(q_at) & set(k_at))
+        seen[overlapping] += 1
+        check_in_every_path("apply_rotary_qk_", [q, k], overlapping)
+    assert min(seen.values()) > 30, seen
+
+
 def test_dense_q_and_k_with_symbolic_layouts_are_judged_by_their_ranges():
     """Under dynamic shapes (every size symbolic, so offsets and strides too) the exact search
     cannot run; q and k that are both dense are then judged by the element ranges they span,
@@ -131,6 +155,76 @@ def test_dense_q_and_k_with_symbolic_layouts_are_judged_by_their_ranges():
         # Rows 0 and 2 are not dense: their range holds row 1, yet they share nothing with it;
         # such layouts are left to the op's exact check at run time.
         _checks.check_qk_disjoint(op, x[1:2], x[0:3:2])
+
+
+def test_dense_test_of_older_torch_matches_enumeration(monkeypatch):
+    """Before torch 2.10 (no is_non_overlapping_and_dense_or_false) _checks judges density
+    itself: loaded so here, it calls dense exactly the layouts whose elements fill one block
+    of memory once, in some order."""
+    import importlib.util
+
+    import torch._prims_common as prims
+
+    monkeypatch.delattr(prims, "is_non_overlapping_and_dense_or_false", raising=False)
+    spec = importlib.util.spec_from_file_location("_checks_before_2_10", _checks.__file__)
+    older = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(older)
+    gen = torch.Generator().manual_seed(3)
+    seen = {True: 0, False: 0}
+    for i in range(600):
+        if i % 2:
+            x = random_view(torch.randn(160), gen)
+        else:  # a permuted block, its size-1 dims given any stride
+            sizes = [int(torch.randint(1, 4, (), generator=gen)) for _ in range(3)] + [D]
+            block = torch.randn(sizes).permute(*torch.randperm(4, generator=gen).tolist())
+            strides = [s if n > 1 else int(torch.randint(1, 13, (), generator=gen))
+                       for n, s in zip(block.shape, block.stride())]
+            x = block.as_strided(block.shape, strides)
+        where = sorted(offsets(x))
+        dense = where == list(range(where[0], where[0] + len(where)))
+        seen[dense] += 1
+        assert older._dense(x) == dense, (list(x.shape), list(x.stride()))
+    assert min(seen.values()) > 100, seen
+
+
+def test_layout_holds_the_dims_that_move():
+    # As csrc/rope_checks.cpp's Layout: the dims of size > 1 and nonzero stride, largest
+    # stride first, in bytes; spans[d] is how far dims d.. reach, one element included.
+    x = torch.empty(64, dtype=torch.float16).as_strided([3, 1, 2, 4, 5], [2, 7, 16, 0, 1])
+    layout = _checks._Layout(x)
+    assert (layout.n, layout.strides, layout.sizes) == (3, [32, 4, 2], [2, 3, 5])
+    assert layout.spans == [2 + 4 * 2 + 2 * 4 + 1 * 32, 2 + 4 * 2 + 2 * 4, 2 + 4 * 2, 2]
+
+
+def test_single_elements_side_by_side_are_disjoint():
+    # Layouts with no dim that moves (a lone v element and its cache slot, say): adjacent
+    # elements share no byte, the same element does.
+    buffer = torch.randn(4)
+    for a, b in [(buffer[:1], buffer[1:2]), (buffer[1:2], buffer[:1]), (buffer[3:], buffer[:1])]:
+        _checks.check_disjoint("op", "a", a, "b", b, "needs", "fix")
+    with pytest.raises(ValueError, match="op: a and b overlap in memory; needs them disjoint"):
+        _checks.check_disjoint("op", "a", buffer[1:2], "b", buffer[1:2].view(1, 1), "needs",
+                               "fix")
+
+
+def test_each_search_step_costs_one_unit_of_the_budget(monkeypatch):
+    # Disjoint ranges are proven in one step, so a budget of one suffices and none does not.
+    q, k = torch.randn(2, 8).unbind()
+    monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", 1)
+    _checks.check_qk_disjoint("apply_rotary_qk_", q, k)
+    monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", 0)
+    with pytest.raises(ValueError, match="cannot prove that q and k are disjoint"):
+        _checks.check_qk_disjoint("apply_rotary_qk_", q, k)
+
+
+def test_python_checks_stop_where_the_cpp_ones_do():
+    # The fake kernels and the fallback answer as the op would: the same search budget and
+    # the same limits, read from the C++ sources.
+    csrc = Path(__file__).resolve().parents[1] / "csrc"
+    assert f"kOverlapBudget = {_checks._OVERLAP_BUDGET};" in (csrc / "rope_checks.cpp").read_text()
+    rope_math = (csrc / "rope_math.h").read_text()
+    assert f"kMaxDims = {_checks.MAX_DIMS - 1};" in rope_math
+    assert f"kMaxMropeAxes = {_checks.MAX_MROPE_AXES};" in rope_math
 
 
 def test_fused_qkv_views_and_transposes_are_disjoint():

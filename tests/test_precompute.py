@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import rope_ext
-from rope_ext import reference
+from rope_ext import _native, reference
 
 from conftest import DEVICES
 
@@ -32,6 +32,16 @@ def test_float32_table_is_within_1_2e_7_of_exact_below_2_pow_20(device):
             worst_llama = max(worst_llama, abs(theirs.real - c), abs(theirs.imag - s))
     assert worst_ours <= 1.2e-7
     assert worst_llama > 1e-2  # the float32 recipe the float64 angles fix
+
+
+@pytest.mark.parametrize("dim,end,theta", [(64, 128, 10000.0), (7, 40, 500000.0)])
+def test_llama_recipe_is_the_table_at_short_context(dim, end, theta):
+    """LLaMA's float32 table (the drop-in's and the benchmarks' reference) drifts with the
+    position, but below a few hundred it is the exact table to float32 rounding."""
+    llama = reference.llama_precompute_freqs_cis(dim, end, theta)
+    exact = reference.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
+    assert llama.shape == exact.shape and llama.dtype == torch.complex64
+    torch.testing.assert_close(llama.to(torch.complex128), exact, atol=5e-5, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -63,9 +73,38 @@ def test_empty_table():
         (dict(dim=8, end=4, dtype=torch.float16), TypeError, "dtype must be float32 or float64, got Half"),
     ],
 )
-def test_bad_arguments(kwargs, error, match):
+def test_bad_arguments(kwargs, error, match, monkeypatch):
     with pytest.raises(error, match=match):
         rope_ext.precompute_freqs_cis(**kwargs)
+    with monkeypatch.context() as without_library:  # the eager path makes the checks itself
+        without_library.setattr(_native, "LOADED", False)
+        without_library.setattr(_native, "NATIVE_DEVICES", frozenset())
+        without_library.setattr(_native, "_warned", {"cpu"})
+        with pytest.raises(error, match=match):
+            rope_ext.precompute_freqs_cis(**kwargs)
     dtype = kwargs.pop("dtype", None)
     with pytest.raises(error, match=match):
         torch.ops.rope_ext.precompute_freqs_cis(**kwargs, dtype=dtype)
+
+
+def test_scaling_arguments_read_both_transformers_forms():
+    """A transformers 5 rope_parameters dict and a 4.x rope_scaling dict become the op's
+    theta and keyword arguments, each value of the type the schema takes."""
+    from rope_ext.api import scaling_arguments
+
+    theta, kwargs = scaling_arguments(
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4, "beta_fast": None,
+         "original_max_position_embeddings": 4096.0, "truncate": 0, "mrope_section": [1, 2]},
+        10000.0, max_position_embeddings=8192.0, seq_len=100.0)
+    assert theta == 1e6 and kwargs == dict(rope_type="yarn", factor=4.0,
+                                           original_max_position_embeddings=4096,
+                                           truncate=False, max_position_embeddings=8192,
+                                           seq_len=100)
+    assert [type(kwargs[k]) for k in kwargs] == [str, float, int, bool, int, int]
+    theta, kwargs = scaling_arguments(  # 4.x: "type", and theta from the config
+        {"type": "longrope", "long_factor": [1, 2], "short_factor": (3, 4)}, 500)
+    assert theta == 500.0 and type(theta) is float
+    assert kwargs == dict(rope_type="longrope", long_factor=[1.0, 2.0], short_factor=[3.0, 4.0])
+    assert all(type(v) is float for v in kwargs["long_factor"] + kwargs["short_factor"])
+    assert scaling_arguments({"rope_theta": 2.0}, 10.0) == (2.0, dict(rope_type="default"))
+    assert scaling_arguments(None, 10.0) == scaling_arguments({}, 10.0) == (10.0, {})

@@ -2,6 +2,7 @@
 reference, in place, every layout, MRoPE, gradients (gradcheck and the eager composition),
 opcheck, torch.compile and bad input."""
 
+import contextlib
 import re
 
 import pytest
@@ -490,20 +491,40 @@ def test_weight_device_mismatch_meta():
         OPS.rms_norm_rotary_qk(q, q[:, :, :1], torch.ones(16, device="meta"), _W, _T)
 
 
-def test_grad_shape_checked():
+@pytest.mark.parametrize("fake", [False, True], ids=["native", "fake"])
+def test_grads_checked(fake):
     q, k = _x(1, 4, 2, 16), _x(1, 4, 1, 16)
-    with pytest.raises(ValueError, match=re.escape(
-            "rms_norm_rotary_qk_backward: grad_q and grad_k must have the shapes of q and k, "
-            "[1, 4, 2, 16] and [1, 4, 1, 16], got [1, 4, 1, 16] and [1, 4, 1, 16]")):
-        OPS.rms_norm_rotary_qk_backward(k, k, q, k, _W, _W, _T)
+    cases = [
+        ((k, k), ValueError, "rms_norm_rotary_qk_backward: grad_q and grad_k must have the "
+         "shapes of q and k, [1, 4, 2, 16] and [1, 4, 1, 16], got [1, 4, 1, 16] and [1, 4, 1, 16]"),
+        ((q, k.double()), TypeError, "rms_norm_rotary_qk_backward: grad_q and grad_k must have "
+         "the dtypes of q and k, Float and Float, got Float and Double"),
+    ]
+    for grads, error, message in cases:
+        args = (*grads, q, k, _W, _W, _T)
+        with FakeTensorMode() if fake else contextlib.nullcontext() as mode:
+            if fake:
+                args = [mode.from_tensor(a) for a in args]
+            with pytest.raises(error, match=re.escape(message)):
+                OPS.rms_norm_rotary_qk_backward(*args)
 
 
-def test_inplace_overlap_rejected_before_writing():
+@pytest.mark.parametrize("native", [True, False])
+def test_inplace_overlap_rejected_before_writing(native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(_native, "NATIVE_DEVICES", frozenset())
     qkv = _x(1, 4, 3, 16)
     before = qkv.clone()
     with pytest.raises(ValueError, match="rms_norm_rotary_qk_: q and k overlap in memory"):
         rope_ext.rms_norm_rotary_qk(qkv[:, :, :2], qkv[:, :, 1:], _W, _W, _T, inplace=True)
     assert torch.equal(qkv, before)
+    # q, then k, whose heads share memory (expanded from one head)
+    for q, k, name in [(qkv[:, :, :1].expand(1, 4, 2, 16), qkv[:, :, 2:], "q"),
+                       (qkv[:, :, :2], qkv[:, :, 2:].expand(1, 4, 2, 16), "k")]:
+        with pytest.raises(ValueError, match=f"rms_norm_rotary_qk_: {name} has overlapping "
+                           "memory"):
+            rope_ext.rms_norm_rotary_qk(q, k, _W, _W, _T, inplace=True)
+        assert torch.equal(qkv, before)
     with torch.enable_grad():  # the autograd path checks first too
         w = _W.clone().requires_grad_()
         with pytest.raises(ValueError, match="rms_norm_rotary_qk_: q and k overlap in memory"):

@@ -21,6 +21,11 @@ Examples:
   python tools/mutate.py --function row_positions rope_ext/reference.py
   python tools/mutate.py --rope-math --every 10           # C++ header, every 10th mutant
   python tools/mutate.py --json out.json --resume ...     # record results; skip those done
+  python tools/mutate.py --survivors-of out.json ...      # again, only what survived there
+  python tools/mutate.py --all-tests ...                  # every test of the list per mutant
+
+Each mutant runs the tests that run its statement, found by one run of the list under
+coverage (the coverage package), with each test's lines recorded apart.
 
 Run it from the checkout with the extension built (`pip install --no-build-isolation -e .`).
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -41,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The tests that exercise each file, fastest killers first (pytest -x stops at the first
@@ -50,14 +58,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = {
     "rope_ext/reference.py": ["test_apply.py", "test_fallback.py", "test_autograd.py",
                               "test_mrope.py", "test_qk_norm.py", "test_precompute.py"],
-    "rope_ext/_checks.py": ["test_errors.py", "test_overlap.py", "test_mrope.py",
-                            "test_qk_norm.py", "test_precompute.py", "test_fallback.py",
-                            "test_apply.py", "test_properties.py"],
+    # (test_properties.py calls only the native CPU op, where no Python check runs.)
+    "rope_ext/_checks.py": ["test_errors.py", "test_overlap.py", "test_kv_cache.py",
+                            "test_mrope.py", "test_qk_norm.py", "test_precompute.py",
+                            "test_fallback.py", "test_apply.py"],
     "rope_ext/_autograd.py": ["test_autograd.py", "test_mrope.py", "test_qk_norm.py"],
     "rope_ext/api.py": ["test_apply.py", "test_errors.py", "test_fallback.py",
                         "test_precompute.py", "test_autograd.py", "test_mrope.py",
                         "test_qk_norm.py"],
-    "rope_ext/qk_norm.py": ["test_qk_norm.py", "test_fallback.py"],
+    "rope_ext/qk_norm.py": ["test_qk_norm.py", "test_fallback.py", "test_apply.py"],
     "rope_ext/_meta.py": ["test_errors.py", "test_overlap.py", "test_mrope.py",
                           "test_qk_norm.py", "test_precompute.py"],
     "csrc/rope_math.h": ["test_apply.py", "test_precompute.py", "test_mrope.py",
@@ -320,9 +329,43 @@ def preload() -> None:
     assert "rope_ext" not in sys.modules
 
 
-def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path) -> tuple[str, str, float]:
+class _PerTest:
+    """pytest plugin for the coverage run: each test's lines under a context of its own
+    ("<node id>|setup", "|call", "|teardown"; lines run at import keep the empty context), the
+    node ids in collection order, and the tests that start a subprocess (whose lines
+    coverage does not see)."""
+
+    def __init__(self, cov):
+        self.cov, self.order, self.spawning, self.current = cov, [], set(), ""
+
+    def pytest_collection_modifyitems(self, items):
+        self.order = [item.nodeid for item in items]
+
+    def _phase(self, item, phase):
+        self.current = item.nodeid
+        self.cov.switch_context(f"{item.nodeid}|{phase}")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        self._phase(item, "setup")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item):
+        self._phase(item, "call")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item):
+        self._phase(item, "teardown")
+
+    def pytest_runtest_logfinish(self):
+        self.cov.switch_context("(between tests)")
+
+
+def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path,
+              measure: str | None = None) -> tuple[str, str, float]:
     """pytest -x on the copy, in a fork of this process: (outcome, detail, seconds), outcome
-    passed, failed or timeout."""
+    passed, failed or timeout. With measure (a file of the copy), the whole list instead,
+    under coverage of that file, each test's lines recorded (see per_test_lines)."""
     shutil.rmtree(inductor, ignore_errors=True)  # no graph compiled against another mutant
     log = inductor.parent / "pytest.log"
     began = time.monotonic()
@@ -330,7 +373,7 @@ def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path) -> t
     if pid == 0:  # the test run, a process group of its own (its subprocesses included)
         code = 3
         try:
-            os.setsid()
+            os.setpgid(0, 0)  # a group, not a session: the caller's scheduling group and nice
             out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(out, 1)
             os.dup2(out, 2)
@@ -339,14 +382,30 @@ def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path) -> t
             sys.dont_write_bytecode = True  # a mutant's .pyc must never outlive it
             os.environ.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
                               PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=str(inductor))
+            plugins, cov = [], None
+            if measure:
+                import coverage
+
+                cov = coverage.Coverage(data_file=str(inductor.parent / "coverage"),
+                                        include=[str(copy / measure)])
+                cov.start()
+                plugins.append(_PerTest(cov))
+                _record_spawns(plugins[0])
+                importlib.import_module(measure.removesuffix(".py").replace("/", "."))
             import pytest
             import rope_ext
 
             if not rope_ext.__file__.startswith(str(copy)):
                 print(f"rope_ext imported from {rope_ext.__file__}, not the copy {copy}")
             else:
-                code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider",
-                                        *[f"tests/{t}" for t in tests]]))
+                code = int(pytest.main([*([] if measure else ["-x"]), "-q", "-p",
+                                        "no:cacheprovider", *_test_args(tests)],
+                                       plugins=plugins))
+            if cov is not None:
+                cov.stop()
+                cov.save()
+                (inductor.parent / "tests.json").write_text(json.dumps(
+                    dict(order=plugins[0].order, spawning=sorted(plugins[0].spawning))))
         except BaseException:  # noqa: BLE001 - said in the log, and the run fails
             import traceback
 
@@ -377,6 +436,85 @@ def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path) -> t
     return "failed", detail, seconds
 
 
+def _test_args(tests: list[str]) -> list[str]:
+    """Test files (test_x.py) or node ids (tests/test_x.py::...) as pytest arguments."""
+    return [t if t.startswith("tests/") else f"tests/{t}" for t in tests]
+
+
+def _record_spawns(plugin: _PerTest) -> None:
+    """Note each test that starts a subprocess: coverage does not follow it there."""
+    popen_init = subprocess.Popen.__init__
+
+    def init(self, *args, **kwargs):
+        plugin.spawning.add(plugin.current)
+        popen_init(self, *args, **kwargs)
+
+    subprocess.Popen.__init__ = init
+
+
+@dataclasses.dataclass
+class Coverage:
+    """Which tests run each line of one file, from one run of its test list under coverage."""
+    by_line: dict[int, set[str]]  # line -> contexts ("<node id>|<phase>", "" at import)
+    order: list[str]  # every node id, in collection order
+    spawning: set[str]  # tests that start a subprocess: always run
+
+    def tests_for(self, lines: range, files: list[str]) -> list[str] | None:
+        """The tests to run for a mutant on these lines, in collection order: the node ids
+        that run them (every test of a file whose setup or teardown does, since a fixture
+        may serve more than one test), and the tests that start subprocesses. Whole files
+        where that is most of a file, or where the lines run at import. None where no test
+        runs them."""
+        contexts = set().union(*(self.by_line.get(line, set()) for line in lines))
+        if not contexts:
+            return None
+        if contexts & {"", "(between tests)"}:  # at import: every test depends on it
+            return files
+        whole = {c.split("::")[0] for c in contexts if not c.endswith("|call")}
+        ids = {c.rsplit("|", 1)[0] for c in contexts} | self.spawning
+        chosen = []
+        for name in files:
+            path = f"tests/{name}"
+            mine = [i for i in self.order if i.split("::")[0] == path]
+            picked = [i for i in mine if i in ids]
+            if path in whole or len(picked) > len(mine) // 2:
+                chosen.append(name)
+            else:
+                chosen += picked
+        return chosen
+
+
+def per_test_lines(copy: Path, name: str, tests: list[str], inductor: Path) -> Coverage:
+    """Run name's tests once under coverage; which tests run which line of name."""
+    import coverage
+
+    outcome, detail, seconds = run_tests(copy, tests, 3600, inductor, measure=name)
+    if outcome != "passed":
+        raise SystemExit(f"{name}: the tests fail under coverage ({detail})")
+    data = coverage.CoverageData(basename=str(inductor.parent / "coverage"))
+    data.read()
+    by_line = {line: set(contexts) for line, contexts in
+               data.contexts_by_lineno(str(copy / name)).items()}
+    recorded = json.loads((inductor.parent / "tests.json").read_text())
+    return Coverage(by_line, recorded["order"], set(recorded["spawning"]) - {""})
+
+
+def statement_lines(path: Path, m: "Mutant") -> range:
+    """The lines a mutant's statement runs up to the mutant's end: from the innermost
+    statement holding it (its header, for an if or a loop) to the mutated node's last line.
+    Any of them run means the statement ran."""
+    source = path.read_bytes()
+    end_line = source[:m.end].count(b"\n") + 1
+    end_column = m.end - (source.rfind(b"\n", 0, m.end) + 1)
+    best = None
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt) and (node.lineno, node.col_offset) <= (m.line, m.column) \
+                and (node.end_lineno, node.end_col_offset) >= (end_line, end_column):
+            if best is None or (node.lineno, node.col_offset) >= (best.lineno, best.col_offset):
+                best = node
+    return range(best.lineno if best else m.line, end_line + 1)
+
+
 def build(copy: Path, log: Path) -> bool:
     """The CPU kernels of the copy, built in place (only what changed is recompiled)."""
     env = dict(os.environ, ROPE_EXT_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "1"))
@@ -402,6 +540,12 @@ def main() -> int:
     parser.add_argument("--offset", type=int, default=0, help="...starting with this one")
     parser.add_argument("--function", help="only mutants in functions matching this regex")
     parser.add_argument("--operator", nargs="+", help="only these operators")
+    parser.add_argument("--survivors-of", type=Path, metavar="JSON",
+                        help="only the mutants that survived in this --json record (after "
+                        "adding tests, or with other --tests)")
+    parser.add_argument("--all-tests", action="store_true",
+                        help="run the whole test list for every mutant (default: only the "
+                        "tests that run the mutated statement, from one run under coverage)")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
     parser.add_argument("--json", type=Path, help="write every result here as it comes")
     parser.add_argument("--resume", action="store_true",
@@ -426,6 +570,10 @@ def main() -> int:
         if args.operator:
             mutants = [m for m in mutants if m.operator in args.operator]
         selected[name] = mutants[args.offset::args.every]
+        if args.survivors_of:  # after the sample, so that --every N picks the same mutants
+            survived = {r["key"] for r in json.loads(args.survivors_of.read_text())
+                        if r["outcome"] == "survived"}
+            selected[name] = [m for m in selected[name] if m.key in survived]
         print(f"{name}: {len(mutants)} mutants, {len(selected[name])} selected")
     if args.list:
         for mutants in selected.values():
@@ -463,15 +611,26 @@ def main() -> int:
             timeout = args.timeout or max(60.0, 3 * seconds)
             print(f"{name}: unmutated tests pass in {seconds:.0f} s ({', '.join(tests)}); "
                   f"{timeout:.0f} s per mutant at most")
+            covered = None
+            if not native and not args.all_tests:
+                covered = per_test_lines(copy, name, tests, inductor)
+                print(f"{name}: {len(covered.order)} tests, {len(covered.by_line)} lines run; "
+                      f"each mutant runs the tests that run its statement")
             for i, m in enumerate(mutants, 1):
                 if m.key in done:
+                    continue
+                chosen = tests if covered is None else \
+                    covered.tests_for(statement_lines(target, m), tests)
+                if chosen is None:
+                    record(m, "survived", "no test runs it", 0.0)
+                    print(f"[{i}/{len(mutants)}] survived    no test runs it  {m.describe()}")
                     continue
                 target.write_bytes(original[:m.start] + m.after.encode() + original[m.end:])
                 try:
                     if native and not build(copy, workdir / "build.log"):
                         outcome, detail, seconds = "not built", "does not compile", 0.0
                     else:
-                        outcome, detail, seconds = run_tests(copy, tests, timeout, inductor)
+                        outcome, detail, seconds = run_tests(copy, chosen, timeout, inductor)
                 finally:
                     target.write_bytes(original)
                 outcome = {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
