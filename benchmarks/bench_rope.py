@@ -20,6 +20,12 @@ Examples:
 The qk_norm suite (fused RMSNorm + RoPE, rope_ext.rms_norm_rotary_qk) always times its fwd+bwd
 providers, with or without --backward, and adds a table of the issue's target ratios under each
 case's timings (also in OUT.json under "targets").
+
+On a GPU the peers join: FlashInfer, Liger, flash-attn's Triton rotary and vLLM where they load
+(benchmarks/peers.sh carries them to a machine without an index; rope_ext.benchmark.load_peers).
+Each peer provider runs once against the float64 reference before it is timed; the checks are
+listed under each case (also in OUT.json under "checks"), and one that disagrees is not timed.
+The header names each peer's version, and each peer not measured with the reason.
 """
 
 from __future__ import annotations
@@ -129,12 +135,14 @@ def plot(results: list[benchmark.Result], path: Path) -> bool:
     return True
 
 
-def write(prefix: Path, results: list[benchmark.Result], header: list[str], meta: dict) -> None:
+def write(prefix: Path, results: list[benchmark.Result], checks: list[benchmark.Check],
+          header: list[str], meta: dict) -> None:
     """PREFIX.md (header and tables), .csv (one row per provider and case), .json (meta, then
-    the header, the rows and any target ratios) and, with a prefill sweep, .png."""
+    the header, the rows, any target ratios and the third-party providers' checks against
+    the float64 reference) and, with a prefill sweep, .png."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".md").write_text("\n".join(header) + "\n\n"
-                                         + benchmark.markdown_table(results))
+                                         + benchmark.markdown_table(results, checks))
     rows = [dict(case=r.case.label(), provider=r.provider, ms=r.seconds * 1e3,
                  gbps=r.gbps, bytes=r.case.bytes_moved,
                  graph_us="" if r.graph_seconds is None else r.graph_seconds * 1e6, **{
@@ -145,9 +153,11 @@ def write(prefix: Path, results: list[benchmark.Result], header: list[str], meta
         writer.writeheader()
         writer.writerows(rows)
     targets = benchmark.target_ratios(results)
+    extra = dict(targets=targets) if targets else {}
+    if checks:
+        extra["checks"] = [c.as_dict() for c in checks]
     prefix.with_suffix(".json").write_text(json.dumps(
-        dict(**meta, header=header, results=rows, **(dict(targets=targets) if targets else {})),
-        indent=1) + "\n")
+        dict(**meta, header=header, results=rows, **extra), indent=1) + "\n")
     print(f"results: {prefix.with_suffix('.json')}", file=sys.stderr)
     if plot(results, prefix.with_suffix(".png")):
         print(f"plot: {prefix.with_suffix('.png')}", file=sys.stderr)
@@ -189,11 +199,12 @@ def main() -> int:
 
     progress = Progress(len(todo))
     results: list[benchmark.Result] = []
+    checks: list[benchmark.Check] = []
     by_suite: dict[tuple[str, str], list[benchmark.Result]] = {}
     for suite, case in todo:
         timed = benchmark.run_case(case, include_compile=not args.no_compile,
                                    include_backward=args.backward,
-                                   min_run_time=args.min_run_time)
+                                   min_run_time=args.min_run_time, checks=checks)
         results += timed
         by_suite.setdefault((case.device, suite), []).extend(timed)
         progress.step(case.label())
@@ -204,20 +215,25 @@ def main() -> int:
         f"{args.threads} CPU threads, {heap}"
         + (f", GPU {torch.cuda.get_device_name()}" if "cuda" in devices else ""),
         "Command: " + command,
-        "Not measured (not importable here): " + ", ".join(
-            sorted({m for d in devices for m in benchmark.missing_third_party(d)})),
     ]
-    print("\n".join(header) + "\n\n" + benchmark.markdown_table(results))
+    if "cuda" in devices:
+        header.append("Peers: " + (", ".join(f"{name} {peer.version}" for name, peer
+                                             in benchmark.peers()[0].items()) or "none"))
+    header.append("Not measured: " + ", ".join(
+        sorted({m for d in devices for m in benchmark.missing_third_party(d)})))
+    print("\n".join(header) + "\n\n" + benchmark.markdown_table(results, checks))
     settings = ["system-heap"] if args.system_heap else []
     if args.out and args.out.is_dir():
         for (device, suite), timed in by_suite.items():
             variant = benchmark.variant_name(device, dtypes, settings)
-            write(benchmark.results_path(args.out, device, suite, variant), timed, header,
+            labels = {r.case.label() for r in timed}
+            write(benchmark.results_path(args.out, device, suite, variant), timed,
+                  [c for c in checks if c.case.label() in labels], header,
                   benchmark.run_metadata(device, suite, variant, command, heap))
     elif args.out:
         device = "cuda" if "cuda" in devices else "cpu"
         variant = benchmark.variant_name(device, dtypes, settings)
-        write(args.out, results, header,
+        write(args.out, results, checks, header,
               benchmark.run_metadata(device, args.suite, variant, command, heap))
     return 0
 

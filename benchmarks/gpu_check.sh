@@ -2,9 +2,14 @@
 # One command for a fresh GPU host: build rope_ext for this GPU, run the CUDA tests, the GPU
 # benchmarks (rotary and fused RMSNorm + RoPE) and (when present) compute-sanitizer memcheck
 # over a small test. Results go to $OUT (default ./gpu_results): summary.txt, build.log,
-# tests.log (tests_full.log whole), bench*.md/.csv/.json/.png, emulation_gdb.log, memcheck.log,
-# and all of them in one gpu_results.tgz (a lent device machine returns 8 files at most).
-# Sized to finish within 8 minutes on one H200 (each stage has its own timeout).
+# tests.log (tests_full.log whole), peers.log, bench*.md/.csv/.json/.png, emulation_gdb.log,
+# memcheck.log, and all of them in one gpu_results.tgz (a lent device machine returns 8 files
+# at most). Sized to finish within 8 minutes on one H200 (each stage has its own timeout).
+#
+# Where .peers/ came along (benchmarks/peers.sh fills it on a machine with a package index),
+# its wheels are installed into a folder of their own, which the benchmarks get on PYTHONPATH,
+# and FlashInfer's rope kernels JIT-compile beside the build; summary.txt says which peers
+# loaded and why the others did not.
 #
 #   bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -24,6 +29,26 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/summary.txt"
 { lscpu | grep -m1 "Model name"; echo "CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1)"; } |
   tee -a "$OUT/summary.txt"
+
+peers_site=/tmp/rope_ext_peers
+peers_jit=""
+if [ -d .peers/wheels ]; then
+  say "peers: install .peers/wheels, FlashInfer's rope JIT in the background"
+  if python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$peers_site" .peers/wheels/*.whl > "$OUT/peers.log" 2>&1; then
+    # Two nvcc jobs, on cores the build leaves; the benchmark would otherwise wait for them.
+    ( PYTHONPATH="$peers_site${PYTHONPATH:+:$PYTHONPATH}" timeout 420 python -c \
+        "import flashinfer.rope as r; r.get_rope_module(); print('FlashInfer rope module built')" \
+        >> "$OUT/peers.log" 2>&1 ) &
+    peers_jit=$!
+  else
+    tail -20 "$OUT/peers.log" | tee -a "$OUT/summary.txt"
+    status=1
+  fi
+else
+  echo "no .peers: no peer is measured (benchmarks/peers.sh fetches them)" |
+    tee -a "$OUT/summary.txt"
+fi
 
 say "build (archs $TORCH_CUDA_ARCH_LIST)"
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 ||
@@ -59,6 +84,15 @@ else
   echo "pytest/hypothesis/mpmath unavailable here: CUDA tests not run" | tee "$OUT/tests.log"
   status=1
 fi
+
+if [ -d "$peers_site" ]; then
+  [ -n "$peers_jit" ] && wait "$peers_jit"
+  tail -1 "$OUT/peers.log" | tee -a "$OUT/summary.txt"
+  export PYTHONPATH="$peers_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+say "peers"
+python -c "from rope_ext import benchmark; print('\n'.join(benchmark.peer_report()))" 2>&1 |
+  tee -a "$OUT/summary.txt"
 
 say "GPU benchmark"
 timeout 180 python benchmarks/bench_rope.py --device cuda --suite core --dtypes bfloat16,float16 \

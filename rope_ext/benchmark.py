@@ -6,6 +6,10 @@ written once), so GB/s compares directly with copying the same bytes, measured i
 run: `copy_` into preallocated buffers (the bound for in-place calls) and `clone` (a fresh
 allocation, the bound for out-of-place calls).
 
+On CUDA, third-party kernels join the plain cases (third_party): FlashInfer, Liger, flash-attn's
+Triton rotary and vLLM, each imported where it loads (load_peers lists the others with the
+reason) and checked once against the float64 reference before it is timed (check_peer).
+
 QK-norm cases (Case.qk_norm) time rope_ext.rms_norm_rotary_qk, per-head RMSNorm then RoPE, against
 RoPE alone and the unfused compositions (F.rms_norm + rope_ext, Hugging Face's Qwen3 eager and
 compiled), forward and forward+backward, and markdown_table adds the ratios the issue's targets
@@ -18,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -25,6 +31,7 @@ import re
 import shlex
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -272,6 +279,9 @@ def packed_positions(total: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])
 
 
+ROPE_THETA = 10000.0  # every case's table; FlashInfer's pos_ids provider turns by it too
+
+
 def make_inputs(case: Case) -> Inputs:
     gen = torch.Generator().manual_seed(0)
     rot = case.rotary_dim or case.head_dim
@@ -280,7 +290,8 @@ def make_inputs(case: Case) -> Inputs:
         shape = (case.batch, case.seq, heads, case.head_dim)
         return torch.randn(shape, generator=gen).to(device=case.device, dtype=case.dtype)
 
-    table = api.precompute_freqs_cis(rot, case.decode_offset + case.seq, device=case.device)
+    table = api.precompute_freqs_cis(rot, case.decode_offset + case.seq, ROPE_THETA,
+                                     device=case.device)
     positions = None
     if case.mrope:
         positions = mrope_positions(case.seq).to(case.device).view(3, 1, case.seq, 1)
@@ -626,7 +637,8 @@ def _kv_cache_providers(case: Case, inputs: Inputs) -> dict[str, Callable[[], ob
 
 def providers(case: Case, inputs: Inputs, include_compile: bool = True,
               include_backward: bool = False) -> dict[str, Callable[[], object]]:
-    """name -> zero-argument callable, for one case. Third-party kernels join when importable."""
+    """name -> zero-argument callable, for one case: the bounds, rope_ext, eager and compiled
+    paths (third-party kernels: third_party)."""
     if case.mrope:
         return _mrope_providers(case, inputs, include_compile)
     if case.qk_norm:
@@ -645,6 +657,8 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
                                                api.apply_rotary(k, table, **where)),
         "rope_ext half-split": lambda: api.apply_rotary_qk(q, k, table, interleaved=False,
                                                            **where),
+        "rope_ext half-split in-place": lambda: api.apply_rotary_qk(
+            q, k, table, interleaved=False, inplace=True, **where),
     }
     if not case.varlen:  # Hugging Face's layout: positions along the innermost leading dim
         qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
@@ -663,64 +677,363 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
             out["compiled complex (LLaMA)"] = lambda: llama(q, k, table, case.decode_offset)
         hf = _compiled_fn("hf", _hf_eager)
         out["compiled rotate_half (HF)"] = lambda: hf(q, k, inputs.cos, inputs.sin)
-    if include_backward:
-        qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    if include_backward:  # as the peers' fwd+bwd providers: torch.autograd.grad, q and k
         grads = (torch.randn_like(q), torch.randn_like(k))
-
-        def fwd_bwd():
-            a, b = api.apply_rotary_qk(qg, kg, table, **where)
-            torch.autograd.backward((a, b), grads)
-
-        out["rope_ext fwd+bwd"] = fwd_bwd
-    out.update(third_party(case, inputs))
+        for name, interleaved in (("rope_ext fwd+bwd", True), ("rope_ext half-split fwd+bwd",
+                                                                 False)):
+            step = _fwd_bwd(functools.partial(api.apply_rotary_qk, freqs_cis=table,
+                                              interleaved=interleaved, **where))
+            out[name] = functools.partial(step, q, k, grads)
     return out
 
 
-def third_party(case: Case, inputs: Inputs) -> dict[str, Callable[[], object]]:
-    """flash-attn, Liger, FlashInfer and vLLM kernels, when installed (CUDA only)."""
-    found: dict[str, Callable[[], object]] = {}
-    if case.device != "cuda" or case.varlen:
-        return found
-    q, k = inputs.q, inputs.k
-    half = inputs.cos[:, : inputs.cos.shape[-1] // 2].contiguous()
-    half_sin = inputs.sin[:, : inputs.sin.shape[-1] // 2].contiguous()
-    if importlib.util.find_spec("flash_attn") is not None:
-        from flash_attn.layers.rotary import apply_rotary_emb as fa_rotary
+# Third-party peers. Each library is imported once per process, when a GPU case first asks for
+# it, from what is installed or, for flash-attn, from the rotary.py that benchmarks/peers.sh
+# fetched; one that cannot load is listed with the reason (load_peers). Every peer provider
+# runs once against the float64 reference before it is timed (check_peer): one whose output
+# disagrees is reported as wrong and not timed. The peers are given half-split pairs, every
+# one's default (and Liger's only form): compare them with the rope_ext half-split rows.
 
-        found["flash-attn (Triton)"] = lambda: (
-            fa_rotary(q, half, half_sin, interleaved=True, inplace=True),
-            fa_rotary(k, half, half_sin, interleaved=True, inplace=True))
-    if importlib.util.find_spec("liger_kernel") is not None:
-        from liger_kernel.ops.rope import LigerRopeFunction
 
-        cos_b, sin_b = inputs.cos[None], inputs.sin[None]
-        found["Liger (Triton)"] = lambda: LigerRopeFunction.apply(
-            q.transpose(1, 2), k.transpose(1, 2), cos_b, sin_b)
-    # FlashInfer and vLLM take tokens flattened, [T, heads * head_dim], a float32 cache
-    # [S, R] holding cos then sin, and int64 positions [T]; both rotate in place.
-    tokens = case.batch * case.seq
-    flat_q, flat_k = q.view(tokens, -1), k.view(tokens, -1)
-    cache = torch.cat([half, half_sin], -1).float()
-    positions = torch.arange(case.seq, device=q.device).repeat(case.batch)
-    if importlib.util.find_spec("flashinfer") is not None:
-        from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
+def peers_dir() -> Path:
+    """Where benchmarks/peers.sh put the peers: ROPE_EXT_PEERS, else .peers in the checkout
+    this module belongs to."""
+    return Path(os.environ.get("ROPE_EXT_PEERS") or Path(__file__).resolve().parents[1] / ".peers")
 
-        found["FlashInfer"] = lambda: apply_rope_with_cos_sin_cache_inplace(
-            positions, flat_q, flat_k, case.head_dim, cache, is_neox=False)
-    if importlib.util.find_spec("vllm") is not None:
-        from vllm import _custom_ops as vllm_ops
 
-        found["vLLM"] = lambda: vllm_ops.rotary_embedding(
-            positions, flat_q, flat_k, case.head_dim, cache, False)
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A loaded library: its version (and where it came from) and what its providers call."""
+
+    version: str
+    api: object
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCall:
+    """A peer's provider as a function of the case's tensors: fn(q, k) rotates q and k
+    [B, S, H, D] (in place where the peer does) and returns them rotated; with `grads`, the
+    gradients of the outputs, fn(q, k, grads) runs forward and backward and also returns q's
+    and k's gradients. `interleaved`: the pairing it was given."""
+
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    interleaved: bool = False
+    grads: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bind(self, q: torch.Tensor, k: torch.Tensor) -> Callable[[], object]:
+        """The zero-argument callable that is timed."""
+        return functools.partial(self.fn, q, k, *(() if self.grads is None else (self.grads,)))
+
+
+def _fwd_bwd(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]):
+    """(q, k, grads) -> forward's outputs and torch.autograd.grad of them in q and k: a
+    training step's RoPE, forward and backward (no .grad accumulates between calls)."""
+    def step(q, k, grads):
+        leaves = (q.detach().requires_grad_(), k.detach().requires_grad_())
+        outputs = forward(*leaves)
+        return (*outputs, *torch.autograd.grad(outputs, leaves, grads))
+
+    return step
+
+
+def _token_positions(case: Case, inputs: Inputs) -> torch.Tensor:
+    """int64 [B, S]: each token's position, the rows of inputs.freqs_cis it turns by."""
+    if inputs.positions is not None:  # a packed batch, [1, S, 1]
+        return inputs.positions.view(case.batch, case.seq)
+    start = torch.arange(case.seq, device=inputs.q.device) + case.decode_offset
+    return start.expand(case.batch, case.seq)
+
+
+def _load_flashinfer() -> Peer:
+    import flashinfer
+    import flashinfer.rope
+
+    trimmed = ", rope only" if getattr(flashinfer, "TRIMMED_FOR", None) == "rope" else ""
+    return Peer(f"{flashinfer.__version__}{trimmed}", flashinfer.rope)
+
+
+def _flashinfer_providers(peer: Peer, case: Case, inputs: Inputs, grads):
+    """FlashInfer rotates tokens [T, heads, head_dim] in place, with int64 positions [T]:
+    from a float32 cache [P, R] of cos then sin (rope_ext's table), or from positions alone,
+    computing each angle itself (theta ROPE_THETA, as rope_ext's table). No backward."""
+    names = ("FlashInfer cos_sin_cache in-place", "FlashInfer pos_ids in-place")
+    if case.dtype not in (torch.float16, torch.bfloat16):
+        return dict.fromkeys(names, "FlashInfer's rope kernels take float16 and bfloat16 only")
+    rope, table = peer.api, inputs.freqs_cis
+    cache = torch.cat([table.real, table.imag], -1).contiguous()
+    positions = _token_positions(case, inputs).reshape(-1).contiguous()
+    tokens, rotary_dim = positions.numel(), 2 * table.shape[1]
+
+    def cos_sin_cache(q, k):
+        rope.apply_rope_with_cos_sin_cache_inplace(positions, q.view(tokens, -1),
+                                                   k.view(tokens, -1), case.head_dim, cache,
+                                                   is_neox=True)
+        return q, k
+
+    def pos_ids(q, k):
+        rope.apply_rope_pos_ids_inplace(q.view(tokens, -1, case.head_dim),
+                                        k.view(tokens, -1, case.head_dim), positions,
+                                        rotary_dim=rotary_dim, interleave=False,
+                                        rope_theta=ROPE_THETA)
+        return q, k
+
+    return dict(zip(names, (PeerCall(cos_sin_cache), PeerCall(pos_ids))))
+
+
+def _load_liger() -> Peer:
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    return Peer(importlib.metadata.version("liger_kernel"), LigerRopeFunction)
+
+
+def _liger_providers(peer: Peer, case: Case, inputs: Inputs, grads):
+    """Liger's LigerRopeFunction takes q and k as Hugging Face's attention has them, [B, H, S, D]
+    views of [B, S, H, D], and cos and sin [1, S, R] in q's dtype as Hugging Face's rotary
+    embedding hands them over; it computes in cos's dtype and rotates in place, backward too."""
+    cos, sin = inputs.cos[None], inputs.sin[None]
+
+    def forward(q, k):
+        q_out, k_out = peer.api.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+    found = {"Liger in-place": PeerCall(forward)}
+    if grads is not None:
+        found["Liger fwd+bwd"] = PeerCall(_fwd_bwd(forward), grads=grads)
     return found
 
 
+def _load_flash_attn() -> Peer:
+    """flash-attn's Triton rotary module: the installed package's, else the rotary.py that
+    benchmarks/peers.sh took from its sdist, loaded from its file (it imports only torch and
+    triton; the package would import its compiled CUDA extension first)."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        import flash_attn
+        from flash_attn.ops.triton import rotary
+
+        return Peer(flash_attn.__version__, rotary)
+    folder = peers_dir() / "flash-attn"
+    path = folder / "rotary.py"
+    if not path.exists():
+        raise FileNotFoundError(f"flash_attn is not installed and {path} is missing "
+                                "(benchmarks/peers.sh fetches it)")
+    spec = importlib.util.spec_from_file_location("rope_ext_peer_flash_attn_rotary", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # Triton finds a kernel's module by name
+    spec.loader.exec_module(module)
+    version = (folder / "VERSION").read_text().strip() if (folder / "VERSION").exists() else "?"
+    return Peer(f"{version}, {path}", module)
+
+
+class _FlashAttnRotary(torch.autograd.Function):
+    """flash_attn.layers.rotary.ApplyRotaryEmb, out of place: forward apply_rotary, backward
+    apply_rotary(conjugate=True) of the gradient. `rotate(x, conjugate)` is apply_rotary
+    with the case's table and positions."""
+
+    @staticmethod
+    def forward(ctx, x, rotate):
+        ctx.rotate = rotate
+        return rotate(x, conjugate=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.rotate(grad, conjugate=True), None
+
+
+def _flash_attn_providers(peer: Peer, case: Case, inputs: Inputs, grads):
+    """flash-attn's apply_rotary rotates one tensor [B, S, H, D] (or packed tokens [T, H, D]
+    with cu_seqlens) per call, with cos and sin [P, R/2] in q's dtype, as its RotaryEmbedding
+    caches them, and a position offset per call or per sequence."""
+    table = inputs.freqs_cis
+    cos, sin = table.real.to(case.dtype).contiguous(), table.imag.to(case.dtype).contiguous()
+    where: dict = dict(seqlen_offsets=case.decode_offset)
+    if case.varlen:  # positions restart at 0 where each packed sequence starts
+        flat = _token_positions(case, inputs).reshape(-1)
+        starts = torch.nonzero(flat == 0).flatten()
+        bounds = torch.cat([starts, starts.new_tensor([flat.numel()])])
+        where = dict(cu_seqlens=bounds.to(torch.int32),
+                     max_seqlen=int((bounds[1:] - bounds[:-1]).max()))
+
+    def rotate(x, inplace=False, conjugate=False):
+        packed = case.varlen
+        out = peer.api.apply_rotary(x[0] if packed else x, cos, sin, interleaved=False,
+                                    inplace=inplace, conjugate=conjugate, **where)
+        return out[None] if packed else out
+
+    def forward_inplace(q, k):
+        return rotate(q, inplace=True), rotate(k, inplace=True)
+
+    found = {"flash-attn in-place": PeerCall(forward_inplace)}
+    if grads is not None:
+        found["flash-attn fwd+bwd"] = PeerCall(
+            _fwd_bwd(lambda q, k: (_FlashAttnRotary.apply(q, rotate),
+                                   _FlashAttnRotary.apply(k, rotate))), grads=grads)
+    return found
+
+
+def _load_vllm() -> Peer:
+    from vllm import _custom_ops
+
+    return Peer(importlib.metadata.version("vllm"), _custom_ops)
+
+
+def _vllm_providers(peer: Peer, case: Case, inputs: Inputs, grads):
+    """vLLM's rotary_embedding: tokens [T, heads * head_dim] in place, int64 positions [T] and
+    a cache [P, R] of cos then sin in q's dtype, as its RotaryEmbedding casts it."""
+    table = inputs.freqs_cis
+    cache = torch.cat([table.real, table.imag], -1).to(case.dtype)
+    positions = _token_positions(case, inputs).reshape(-1).contiguous()
+
+    def rotary_embedding(q, k):
+        peer.api.rotary_embedding(positions, q.view(positions.numel(), -1),
+                                  k.view(positions.numel(), -1), case.head_dim, cache, True)
+        return q, k
+
+    return {"vLLM in-place": PeerCall(rotary_embedding)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLibrary:
+    load: Callable[[], Peer]  # raises where the library cannot load
+    # (peer, case, inputs, grads or None) -> provider name -> PeerCall, or why it does not run
+    providers: Callable[..., dict[str, PeerCall | str]]
+
+
+# Each library's provider names start with its name here (run_case's `only` relies on it).
+PEERS = {
+    "FlashInfer": PeerLibrary(_load_flashinfer, _flashinfer_providers),
+    "Liger": PeerLibrary(_load_liger, _liger_providers),
+    "flash-attn": PeerLibrary(_load_flash_attn, _flash_attn_providers),
+    "vLLM": PeerLibrary(_load_vllm, _vllm_providers),
+}
+# Peers with no provider here, and why.
+NOT_MEASURED = {
+    "TransformerEngine": "not carried to the GPU machine: its wheels exceed the 64 MiB it "
+                         "receives (benchmarks/peers.sh says by how much)",
+}
+
+
+def load_peers(libraries: dict[str, PeerLibrary] = PEERS) -> tuple[dict[str, Peer],
+                                                                     dict[str, str]]:
+    """Imports each library: those that loaded, and name -> why not for the others (the
+    exception's type and first line), NOT_MEASURED's included."""
+    loaded: dict[str, Peer] = {}
+    missing: dict[str, str] = {}
+    for name, library in libraries.items():
+        try:
+            loaded[name] = library.load()
+        except Exception as error:  # noqa: BLE001 (whatever stops the import is the reason)
+            missing[name] = f"{type(error).__name__}: {error}".splitlines()[0]
+    return loaded, {**missing, **NOT_MEASURED}
+
+
+@functools.cache
+def peers() -> tuple[dict[str, Peer], dict[str, str]]:
+    """load_peers(), once per process."""
+    return load_peers()
+
+
+def peer_report() -> list[str]:
+    """A line per peer: its version and origin, or why it is not measured."""
+    loaded, missing = peers()
+    return ([f"{name} {peer.version}" for name, peer in loaded.items()]
+            + [f"{name}: not measured: {reason}" for name, reason in missing.items()])
+
+
 def missing_third_party(device: str) -> list[str]:
-    names = {"flash_attn": "flash-attn", "liger_kernel": "Liger", "flashinfer": "FlashInfer",
-             "vllm": "vLLM"}
+    """The peers a run on `device` does not measure, each with the reason."""
     if device != "cuda":
-        return [f"{n} (CUDA only)" for n in names.values()]
-    return [n for mod, n in names.items() if importlib.util.find_spec(mod) is None]
+        return [f"{name} (CUDA only)" for name in [*PEERS, *NOT_MEASURED]]
+    return [f"{name} ({reason})" for name, reason in peers()[1].items()]
+
+
+def third_party(case: Case, inputs: Inputs, include_backward: bool = False,
+                loaded: dict[str, Peer] | None = None) -> dict[str, PeerCall | str]:
+    """The loaded peers' providers for one plain case on CUDA, each a PeerCall or the reason
+    it does not run on this case; their fwd+bwd providers with include_backward."""
+    if case.device != "cuda" or case.mrope or case.qk_norm or case.kv_cache:
+        return {}
+    loaded = peers()[0] if loaded is None else loaded
+    grads = None
+    if include_backward:
+        gen = torch.Generator().manual_seed(2)
+        grads = tuple(torch.randn(x.shape, generator=gen).to(x) for x in (inputs.q, inputs.k))
+    found: dict[str, PeerCall | str] = {}
+    for name, peer in loaded.items():
+        found.update(PEERS[name].providers(peer, case, inputs, grads))
+    return found
+
+
+def peer_tolerance(dtype: torch.dtype) -> float:
+    """The largest error (relative to the output's scale) a correct peer may make: 4 units of
+    q's dtype (bf16: 0.031), for a peer that rounds its table and arithmetic to q's dtype as
+    Liger does, but no less than 2^-10: FlashInfer's pos_ids kernels compute their angles in
+    float32 with fast sin and cos, about 1e-3 off at position 8192. A mistaken convention
+    (pairing, sign, table, positions) is off by about the output's scale itself."""
+    return max(4 * torch.finfo(dtype).eps, 2.0 ** -10)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A peer provider's one run against the float64 reference, before it is timed."""
+
+    case: Case
+    provider: str
+    error: float | None  # max |out - ref| / max |ref| over its outputs; None if it did not run
+    failure: str = ""  # why it did not run, or what it raised
+
+    @property
+    def tolerance(self) -> float:
+        return peer_tolerance(self.case.dtype)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure and self.error is not None and self.error <= self.tolerance
+
+    def as_dict(self) -> dict:
+        return dict(case=self.case.label(), provider=self.provider, error=self.error,
+                    tolerance=self.tolerance, ok=self.ok, failure=self.failure)
+
+
+def check_peer(case: Case, inputs: Inputs, provider: str, call: PeerCall | str) -> Check:
+    """Runs the provider once on copies of the case's q and k (and gradients) and compares
+    what it returns with rope_ext.reference in float64, on the very table entries rope_ext
+    reads: rotated q and k, and for fwd+bwd also their gradients, the gradients rotated back."""
+    if isinstance(call, str):
+        return Check(case, provider, None, call)
+    where = dict(offset=case.decode_offset, positions=inputs.positions,
+                 interleaved=call.interleaved)
+    args = [inputs.q.clone(), inputs.k.clone()]
+    want = [reference.apply_rotary(x.double(), inputs.freqs_cis, **where) for x in args]
+    if call.grads is not None:
+        args.append(tuple(g.clone() for g in call.grads))
+        want += [reference.apply_rotary(g.double(), inputs.freqs_cis, inverse=True, **where)
+                 for g in call.grads]
+    try:
+        got = call.fn(*args)
+        if case.device == "cuda":
+            torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 (a peer that raises is reported, not timed)
+        return Check(case, provider, None, f"{type(error).__name__}: {error}".splitlines()[0])
+    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
+        return Check(case, provider, None, "returned outputs of other shapes than q and k")
+    # torch's max, not Python's: a NaN anywhere makes the error NaN, which no tolerance passes.
+    error = torch.stack([(g.double() - w).abs().max() / w.abs().max()
+                         for g, w in zip(got, want)]).max().item()
+    return Check(case, provider, error)
+
+
+def check_table(checks: list[dict]) -> list[str]:
+    """Markdown lines: each peer provider's check (Check.as_dict rows of one case)."""
+    if not checks:
+        return []
+    lines = ["| checked against float64 (max error / max of output) | error | tolerance | |",
+             "|---|---:|---:|---|"]
+    for c in checks:
+        error = "-" if c["error"] is None else f"{c['error']:.2g}"
+        verdict = (f"not timed: {c['failure']}" if c["failure"]
+                   else "ok" if c["ok"] else "**wrong**: not timed")
+        lines.append(f"| {c['provider']} | {error} | {c['tolerance']:.2g} | {verdict} |")
+    return lines + [""]
 
 
 def time_fn(fn: Callable[[], object], device: str, min_run_time: float = 0.5) -> float:
@@ -761,17 +1074,31 @@ class Result:
 
 def run_case(case: Case, include_compile: bool = True, include_backward: bool = False,
              min_run_time: float = 0.5, only: list[str] | None = None,
-             rounds: int = 5) -> list[Result]:
+             rounds: int = 5, checks: list[Check] | None = None) -> list[Result]:
     """Times every provider in `rounds` interleaved rounds and keeps each one's median round.
 
     Interleaving puts the bound and the kernels under the same machine conditions; the median
     round discards bursts of interference from other tenants, and lucky rounds too (a large
     allocation that happens to reuse pages the allocator kept).
+
+    Third-party providers are first run once against the float64 reference (check_peer): each
+    Check goes to `checks`, and only those that pass are timed.
     """
     inputs = make_inputs(case)
+
+    def wanted(name: str) -> bool:
+        return not only or name in only or name.startswith(("copy_", "clone"))
+
     chosen = {name: fn for name, fn in providers(case, inputs, include_compile,
-                                                 include_backward).items()
-              if not only or name in only or name.startswith(("copy_", "clone"))}
+                                                 include_backward).items() if wanted(name)}
+    peer_named = not only or any(name.startswith(tuple(PEERS)) for name in only)
+    for name, call in (third_party(case, inputs, include_backward) if peer_named else {}).items():
+        if wanted(name):
+            check = check_peer(case, inputs, name, call)
+            if checks is not None:
+                checks.append(check)
+            if check.ok:
+                chosen[name] = call.bind(inputs.q, inputs.k)
     times: dict[str, list[float]] = {name: [] for name in chosen}
     for _ in range(rounds):
         for name, fn in chosen.items():
@@ -860,9 +1187,10 @@ def target_ratios(results: list[Result]) -> list[dict]:
     return rows
 
 
-def markdown_table(results: list[Result]) -> str:
+def markdown_table(results: list[Result], checks: Sequence[Check] = ()) -> str:
     """One row per provider: ms, GB/s, ratio to the bound it competes with, speedups; for
-    QK-norm cases, a table of the issue's target ratios under it."""
+    QK-norm cases, a table of the issue's target ratios under it; for cases with third-party
+    providers, their checks against the float64 reference (check_table)."""
     targets = target_ratios(results)
     lines = []
     for label in dict.fromkeys(r.case.label() for r in results):
@@ -893,4 +1221,5 @@ def markdown_table(results: list[Result]) -> str:
                              f"{met} |")
             lines += ["", "fwd+bwd rows: forward and backward (q, k and both weights); their "
                       "GB/s counts only the forward's bytes.", ""]
+        lines += check_table([c.as_dict() for c in checks if c.case.label() == label])
     return "\n".join(lines)
