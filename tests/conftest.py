@@ -35,6 +35,16 @@ def _require_native():
     assert rope_ext.native_available(), rope_ext._native.LOAD_ERROR
 
 
+@pytest.fixture(autouse=True)
+def _fallback_warning_unspent():
+    """The eager fallback warns once per device and process: each test leaves that state as
+    it found it, so no test spends a warning that a later one checks for."""
+    saved = set(rope_ext._native._warned)
+    yield
+    rope_ext._native._warned.clear()
+    rope_ext._native._warned.update(saved)
+
+
 # Property-based tests: a fixed-seed profile for CI, a larger one on request
 # (ROPE_EXT_HYPOTHESIS_PROFILE=thorough).
 from hypothesis import HealthCheck, settings  # noqa: E402
