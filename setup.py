@@ -44,7 +44,8 @@ ISA_FLAGS = {
 EMULATION = str(CSRC / "cuda" / "rope_cuda_emulate.cpp")
 # The flags each of these files adds to the build's own (they come last, so they win).
 FILE_FLAGS = {**ISA_FLAGS, EMULATION: ["-O1"]}
-if os.environ.get("ROPE_EXT_SANITIZE") == "1":
+SANITIZE = os.environ.get("ROPE_EXT_SANITIZE") == "1"  # read once: the build and its folder agree
+if SANITIZE:
     # A sanitized build leaves the emulation uninstrumented: it checks every access of the
     # kernels it runs itself (in bounds, 16-byte aligned, no races, each output written
     # once), and instrumented it took 136 of the build's 476 CPU seconds (37 without).
@@ -125,7 +126,7 @@ def persistent_build_temp(build_temp: str) -> str:
         f"py{sys.version_info[0]}{sys.version_info[1]}",
         f"torch{torch.__version__.replace('+', '_')}",
         "cuda" if WITH_CUDA else "cpu",
-        "san" if os.environ.get("ROPE_EXT_SANITIZE") == "1" else "release",
+        "san" if SANITIZE else "release",
     ] + ([] if want_avx512() or not X86 else ["noavx512"]))
     return str(ROOT.resolve() / "build" / f"temp-{config}")
 
@@ -242,8 +243,9 @@ def extension():
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         macros.append(("ROPE_EXT_WITH_CUDA", None))
-    if os.environ.get("ROPE_EXT_SANITIZE") == "1":
-        san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"]
+    if SANITIZE:
+        san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+               "-fno-sanitize-recover=all"]
         # -g1: line tables, all the reports' stack traces need; full -g made the build a
         # quarter slower (ASan and UBSan instrument every template instance the kernels make).
         # -fno-wrapv: Python's own flags (sysconfig CFLAGS) carry -fwrapv, which makes signed
