@@ -96,6 +96,11 @@ class Mutant:
                 f"{_one_line(self.before)!r} -> {_one_line(self.after)!r}")
 
 
+def _what(record: dict) -> tuple[str, str, str, str]:
+    """A mutant as what it changes, for matching the records of an earlier run."""
+    return record["file"], record["function"], record["before"], record["after"]
+
+
 def _one_line(text: str, width: int = 70) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
@@ -484,8 +489,10 @@ class Coverage:
         return chosen
 
 
-def per_test_lines(copy: Path, name: str, tests: list[str], inductor: Path) -> Coverage:
-    """Run name's tests once under coverage; which tests run which line of name."""
+def per_test_lines(copy: Path, name: str, tests: list[str],
+                   inductor: Path) -> tuple[Coverage, float]:
+    """Run name's tests once under coverage: which tests run which line of name, and the
+    run's seconds."""
     import coverage
 
     outcome, detail, seconds = run_tests(copy, tests, 3600, inductor, measure=name)
@@ -496,7 +503,7 @@ def per_test_lines(copy: Path, name: str, tests: list[str], inductor: Path) -> C
     by_line = {line: set(contexts) for line, contexts in
                data.contexts_by_lineno(str(copy / name)).items()}
     recorded = json.loads((inductor.parent / "tests.json").read_text())
-    return Coverage(by_line, recorded["order"], set(recorded["spawning"]) - {""})
+    return Coverage(by_line, recorded["order"], set(recorded["spawning"]) - {""}), seconds
 
 
 def statement_lines(path: Path, m: "Mutant") -> range:
@@ -570,10 +577,23 @@ def main() -> int:
         if args.operator:
             mutants = [m for m in mutants if m.operator in args.operator]
         selected[name] = mutants[args.offset::args.every]
-        if args.survivors_of:  # after the sample, so that --every N picks the same mutants
-            survived = {r["key"] for r in json.loads(args.survivors_of.read_text())
-                        if r["outcome"] == "survived"}
-            selected[name] = [m for m in selected[name] if m.key in survived]
+        if args.survivors_of:
+            # Matched by what they change (function, code, mutation), not by offset or by
+            # --every's sample, either of which an edit elsewhere in the file moves; of equal
+            # mutants (a `1` -> `0` repeated in one function), the nearest to where it was.
+            survived = [r for r in json.loads(args.survivors_of.read_text())
+                        if r["outcome"] == "survived" and r["file"] == name]
+            chosen, gone = set(), 0
+            for r in survived:
+                same = [m for m in mutants if _what(dataclasses.asdict(m)) == _what(r)]
+                if same:
+                    chosen.add(min(same, key=lambda m: abs(m.start - r["start"])).key)
+                else:
+                    gone += 1
+            selected[name] = [m for m in mutants if m.key in chosen]
+            if gone:
+                print(f"{name}: {gone} of {len(survived)} survivors in {args.survivors_of} "
+                      f"are no longer there (their code changed)")
         print(f"{name}: {len(mutants)} mutants, {len(selected[name])} selected")
     if args.list:
         for mutants in selected.values():
@@ -603,19 +623,31 @@ def main() -> int:
             target = copy / name
             original = target.read_bytes()
             native = name.endswith(".h")
+            # The copy is made after the mutants were listed: an edit in between would apply
+            # them at the wrong offsets (a syntax error then reads as a kill).
+            stale = [m for m in mutants if original[m.start:m.end].decode(errors="replace")
+                     != m.before]
+            if stale:
+                raise SystemExit(f"{name} changed while its mutants were listed (first: "
+                                 f"{stale[0].describe()}): run again")
+            if all(m.key in done for m in mutants):  # --resume: nothing left of this file
+                continue
             if native and not build(copy, workdir / "build.log"):
                 raise SystemExit(f"the unmutated copy does not build: {workdir / 'build.log'}")
-            outcome, detail, seconds = run_tests(copy, tests, 3600, inductor)
-            if outcome != "passed":
-                raise SystemExit(f"{name}: the tests fail without a mutant ({detail})")
+            covered = None
+            if not native and not args.all_tests:
+                # One run under coverage: it proves the unmutated tests pass, and its time
+                # (slower than a plain run) bounds a mutant's.
+                covered, seconds = per_test_lines(copy, name, tests, inductor)
+                print(f"{name}: {len(covered.order)} tests, {len(covered.by_line)} lines run; "
+                      f"each mutant runs the tests that run its statement")
+            else:
+                outcome, detail, seconds = run_tests(copy, tests, 3600, inductor)
+                if outcome != "passed":
+                    raise SystemExit(f"{name}: the tests fail without a mutant ({detail})")
             timeout = args.timeout or max(60.0, 3 * seconds)
             print(f"{name}: unmutated tests pass in {seconds:.0f} s ({', '.join(tests)}); "
                   f"{timeout:.0f} s per mutant at most")
-            covered = None
-            if not native and not args.all_tests:
-                covered = per_test_lines(copy, name, tests, inductor)
-                print(f"{name}: {len(covered.order)} tests, {len(covered.by_line)} lines run; "
-                      f"each mutant runs the tests that run its statement")
             for i, m in enumerate(mutants, 1):
                 if m.key in done:
                     continue
