@@ -15,7 +15,7 @@ _lib = torch.library.Library("rope_ext", "IMPL")
 
 
 def rotary_table_grad(grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse,
-                      mrope_section=None, mrope_interleaved=False):
+                      mrope_section, mrope_interleaved):
     """Gradient of sum(grad * apply_rotary(x, freqs_cis, ...)) w.r.t. freqs_cis [P, R/2, 2].
 
     With y0 = x0 c - x1 s and y1 = x0 s + x1 c: dc = g0 x0 + g1 x1, ds = g1 x0 - g0 x1 (negated

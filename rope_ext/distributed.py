@@ -229,7 +229,7 @@ def replicate(t: torch.Tensor, mesh) -> DTensor:
 
 
 def table_grad(local_fn, grad, x, freqs_cis, positions, offset, seq_dim, interleaved, inverse,
-               mrope_section=None, mrope_interleaved=False):
+               mrope_section, mrope_interleaved):
     """rotary_table_grad on DTensors: each rank sums the contributions of its own rows, and
     the table's gradient is their sum over the ranks that hold different rows or parts of a
     partial x (Partial), replicated where every rank holds the same rows."""
