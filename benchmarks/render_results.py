@@ -136,6 +136,23 @@ def layout_table(run: Run) -> list[str]:
     return lines + [""]
 
 
+def layer_table(run: Run) -> list[str]:
+    """bench_layer.py's rows: per model, pass and provider, ms and time over transformers' own
+    compiled layer (paired by round), and the largest difference from that layer's outputs."""
+    d = run.data
+    lines = [f"One decoder layer, {d['shape']}, {d['dtype']}, sdpa; transformers "
+             f"{d['transformers']}.", "",
+             "| model | pass | provider | ms | time / transformers' | max error |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in d["layers"]:
+        ms = "not timed" if r["ms"] is None else f"{r['ms']:.2f}"
+        ratio = "-" if r["ratio_to_hf"] is None else f"{r['ratio_to_hf']:.3f}"
+        error = "-" if r["max_error"] is None else f"{r['max_error']:.2g}"
+        lines.append(f"| {r['model']} | {r['pass_']} | {r['provider']} | {ms} | {ratio} | "
+                     f"{error} |")
+    return lines + [""]
+
+
 def render_tables(root: Path) -> str:
     """A section per platform, a subsection per suite, and under it each variant's caption and
     tables; files in a platform's directory with no JSON (notes, reports) are listed."""
@@ -150,7 +167,9 @@ def render_tables(root: Path) -> str:
             lines += [f"### {suite} on {platform}", ""]
             for run in (r for r in mine if r.data["suite"] == suite):
                 lines += caption(run)
-                lines += layout_table(run) if "rows" in run.data else provider_tables(run)
+                lines += (layout_table(run) if "rows" in run.data
+                          else layer_table(run) if "layers" in run.data
+                          else provider_tables(run))
                 png = root / run.path.with_suffix(".png")
                 if png.exists():
                     lines += [f"Plot: `{png.relative_to(root).as_posix()}`.", ""]

@@ -42,7 +42,7 @@ def test_results_json_has_its_metadata(path):
     # <platform>/<suite>[-<variant>].json, as rope_ext.benchmark.results_path names it
     assert path.parent.name == data["platform"]
     assert path.stem == data["suite"] + (f"-{data['variant']}" if data["variant"] else "")
-    assert "results" in data or "rows" in data
+    assert "results" in data or "rows" in data or "layers" in data
 
 
 def test_regions_are_rewritten_between_their_markers_only():
@@ -59,3 +59,19 @@ def test_renderer_imports_no_torch():
     code = (f"import runpy, sys; runpy.run_path({str(SCRIPT)!r}); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_layer_rows_render_with_their_ratio_and_error():
+    # bench_layer.py's JSON ("layers"): a timed row, the baseline, and one not timed.
+    data = dict(shape="[1, 512] hidden 1024", dtype="bfloat16", transformers="5.0.0", layers=[
+        dict(model="Llama", pass_="fwd", provider="compiled, transformers' RoPE", ms=2.0,
+             ratio_to_hf=1.0, max_error=None),
+        dict(model="Llama", pass_="fwd", provider="compiled, rope_ext.hf.enable()", ms=1.5,
+             ratio_to_hf=0.75, max_error=0.004),
+        dict(model="Qwen3", pass_="fwd+bwd", provider="compiled, rope_ext.hf.enable()",
+             ms=None, ratio_to_hf=None, max_error=1.5)])
+    lines = render_results.layer_table(render_results.Run(Path("x.json"), data))
+    assert lines[0].startswith("One decoder layer, [1, 512] hidden 1024, bfloat16, sdpa")
+    assert "| Llama | fwd | compiled, transformers' RoPE | 2.00 | 1.000 | - |" in lines
+    assert "| Llama | fwd | compiled, rope_ext.hf.enable() | 1.50 | 0.750 | 0.004 |" in lines
+    assert "| Qwen3 | fwd+bwd | compiled, rope_ext.hf.enable() | not timed | - | 1.5 |" in lines
