@@ -12,15 +12,12 @@ forward + backward:
 
     python benchmarks/bench_layer.py [--device cuda] [--seq 4096] [--out [FILE.json]]
 
-The default shape on CUDA is Llama-3-8B's layer (hidden 4096, 32 query and 8 key-value heads
-of 128, MLP 14336) at batch 1 and --seq 4096, bf16, sdpa attention. On CPU it is the same
-heads with hidden 1024 and MLP 2048 at seq 512: a layer whose GEMMs dwarf RoPE would hide
-any cost around it. Inductor's C++ compiles dominate on a CPU: on 2 Zen 3 cores the ten
-graphs (two models, forward and forward + backward, three providers for Qwen3) took over 25
-minutes; --no-backward compiles the five forward ones. Before it is timed,
-each rope_ext layer's output (and, with backward, its input and weight gradients) is compared
-with transformers' compiled layer: a difference beyond bf16 rounding is reported and the layer
-is not timed.
+The default on CUDA is Llama-3-8B's layer (hidden 4096, 32 query and 8 key-value heads of
+128, MLP 14336) at batch 1 and --seq 4096, bf16, sdpa attention. On CPU it is float32 and the
+same heads with hidden 1024 and MLP 2048 at seq 512: a layer whose GEMMs dwarf RoPE would
+hide any cost around it. Before it is timed, each rope_ext layer's output (and, with
+backward, its input and weight gradients) is compared with transformers' compiled layer: a
+difference beyond bf16 rounding is reported and the layer is not timed.
 
 Each provider is compiled once (torch._dynamo.reset() between them, since enable() changes
 the functions a trace sees), then timed in interleaved rounds (rope_ext.benchmark.time_fn;
@@ -148,13 +145,17 @@ TOLERANCE = 0.05  # bf16: two compiled graphs fuse and round differently
 
 
 def run(device: str, dtype: torch.dtype, shape: Shape, models: list[str], backward: list[bool],
-        min_run_time: float, rounds: int = 5) -> list[dict]:
+        min_run_time: float, rounds: int = 5,
+        done: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """The rows of every model and pass; done(rows so far) after each (model, pass), so that a
+    run cut short by a time limit keeps what it finished (forward passes first)."""
     rows = []
     torch._dynamo.reset()
-    for model in models:
-        layer, x, cos_sin = build(model, shape, device, dtype)
-        providers = [(HF, None)] + [(OURS, False)] + ([(FUSED, True)] if MODELS[model][4] else [])
-        for bwd in backward:
+    for bwd in backward:
+        for model in models:
+            layer, x, cos_sin = build(model, shape, device, dtype)
+            providers = [(HF, None), (OURS, False)] + ([(FUSED, True)] if MODELS[model][4]
+                                                       else [])
             calls: dict[str, Callable[[], object]] = {}
             errors: dict[str, float | None] = {}
             want = None
@@ -197,6 +198,7 @@ def run(device: str, dtype: torch.dtype, shape: Shape, models: list[str], backwa
             rows += [dict(model=model, pass_="fwd+bwd" if bwd else "fwd", provider=name,
                           ms=None, rounds_ms=[], ratio_to_hf=None, max_error=errors[name])
                      for name in errors if name not in times]
+            done(rows)
     return rows
 
 
@@ -207,7 +209,9 @@ def fuse_of(provider: str) -> bool | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", help="default bfloat16 on CUDA, float32 on CPU (where "
+                        "bfloat16 matmul gradients take a slow path without AVX-512-BF16: "
+                        "2.3 s against float32's 0.05 s for a [1, 32] layer on Zen 3)")
     parser.add_argument("--seq", type=int, help="sequence length (default 4096 on CUDA, 512 "
                                                  "on CPU)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -219,34 +223,42 @@ def main() -> int:
     args = parser.parse_args()
     import transformers
 
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     dtype = getattr(torch, args.dtype)
     shape = default_shape(args.device, args.seq)
     backward = [False] if args.no_backward else [False, True]
-    rows = run(args.device, dtype, shape, args.models, backward, args.min_run_time)
     machine = (torch.cuda.get_device_name() if args.device == "cuda"
                else benchmark.cpu_description())
     print(f"{machine}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads\n")
     print(f"one decoder layer, {shape.label()}, {args.dtype}, sdpa\n")
     print("| model | pass | provider | ms | time / transformers' | max error |\n"
-          "|---|---|---|---:|---:|---:|")
-    for r in rows:
-        ms = "not timed" if r["ms"] is None else f"{r['ms']:.2f}"
-        ratio = "-" if r["ratio_to_hf"] is None else f"{r['ratio_to_hf']:.3f}"
-        err = "-" if r["max_error"] is None else f"{r['max_error']:.2g}"
-        print(f"| {r['model']} | {r['pass_']} | {r['provider']} | {ms} | {ratio} | {err} |")
-    if args.out:
-        variant = benchmark.variant_name(args.device, [dtype])
-        out = (benchmark.results_path(args.out, args.device, "layer", variant)
-               .with_suffix(".json") if args.out.is_dir() else args.out)
-        command = benchmark.command_line("benchmarks/bench_layer.py", sys.argv[1:])
-        meta = benchmark.run_metadata(args.device, "layer", variant, command,
-                                      heap="system allocator as is")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(dict(
-            **meta, machine=machine, device=args.device, python=platform.python_version(),
-            transformers=transformers.__version__, shape=shape.label(), dtype=args.dtype,
-            layers=rows), indent=1) + "\n")
+          "|---|---|---|---:|---:|---:|", flush=True)
+    printed = 0
+
+    def done(rows: list[dict]) -> None:
+        nonlocal printed
+        for r in rows[printed:]:
+            ms = "not timed" if r["ms"] is None else f"{r['ms']:.2f}"
+            ratio = "-" if r["ratio_to_hf"] is None else f"{r['ratio_to_hf']:.3f}"
+            err = "-" if r["max_error"] is None else f"{r['max_error']:.2g}"
+            print(f"| {r['model']} | {r['pass_']} | {r['provider']} | {ms} | {ratio} | {err} |",
+                  flush=True)
+        printed = len(rows)
+        if args.out:
+            variant = benchmark.variant_name(args.device, [dtype])
+            out = (benchmark.results_path(args.out, args.device, "layer", variant)
+                   .with_suffix(".json") if args.out.is_dir() else args.out)
+            command = benchmark.command_line("benchmarks/bench_layer.py", sys.argv[1:])
+            meta = benchmark.run_metadata(args.device, "layer", variant, command,
+                                          heap="system allocator as is")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(dict(
+                **meta, machine=machine, device=args.device, python=platform.python_version(),
+                transformers=transformers.__version__, shape=shape.label(), dtype=args.dtype,
+                layers=rows), indent=1) + "\n")
+
+    rows = run(args.device, dtype, shape, args.models, backward, args.min_run_time, done=done)
     return 0 if all(r["ms"] is not None for r in rows) else 1
 
 
