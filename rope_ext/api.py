@@ -174,8 +174,9 @@ def _fallback_checks(op, tensors, names, table, positions, offset, seq_dim, inpl
         _checks.check_qk_args(op, *tensors, table, positions, offset, seq_dim, mrope_section,
                               mrope_interleaved)
     else:
-        _checks.check_apply_args(op, names[0], tensors[0], table, positions, offset, seq_dim,
-                                 mrope_section, mrope_interleaved)
+        (x,), (name,) = tensors, names
+        _checks.check_apply_args(op, name, x, table, positions, offset, seq_dim, mrope_section,
+                                 mrope_interleaved)
     if inplace:
         for t, name in zip(tensors, names):
             _checks.check_inplace_target(op, name, t)
