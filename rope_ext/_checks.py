@@ -168,8 +168,8 @@ def check_apply_args(
     positions: torch.Tensor | None,
     offset,
     seq_dim: int,
-    mrope_section=None,
-    mrope_interleaved: bool = False,
+    mrope_section,
+    mrope_interleaved: bool,
 ) -> int:
     """Returns seq_dim normalised to [0, x.dim() - 2], or -1 when positions are given
     (they define every row's position; seq_dim then plays no part). With mrope_section,
