@@ -332,7 +332,7 @@ def check_norm_grads(op: str, grad_q, grad_k, q, k) -> None:
 
 
 def check_norm_args(op, q, k, q_weight, k_weight, table, positions, offset, seq_dim, eps,
-                    mrope_section=None, mrope_interleaved=False) -> int:
+                    mrope_section, mrope_interleaved) -> int:
     """The checks of the fused RMSNorm + RoPE ops, in csrc/qk_norm_ops.h's order."""
     sd = check_qk_args(op, q, k, table, positions, offset, seq_dim, mrope_section,
                        mrope_interleaved)
