@@ -132,6 +132,18 @@ def test_qk_sharing_strides_matches_enumeration():
     assert min(seen.values()) > 30, seen
 
 
+def test_dims_of_size_one_may_have_stride_zero():
+    # A dim of size 1 may have any stride, 0 included (as_strided, broadcast views): one
+    # element, no overlap, accepted on every path (a dim of size 2 or more with stride 0 is
+    # refused: test_errors).
+    buffer = torch.randn(24)
+    x = buffer.as_strided([1, 3, 2, D], [0, 8, 4, 1], 0)
+    check_in_every_path("apply_rotary_", [x], False)
+    q = buffer.as_strided([1, 2, 1, D], [0, 4, 0, 1], 0)
+    k = buffer.as_strided([1, 2, 1, D], [0, 4, 0, 1], 16)
+    check_in_every_path("apply_rotary_qk_", [q, k], False)
+
+
 def test_dense_q_and_k_with_symbolic_layouts_are_judged_by_their_ranges():
     """Under dynamic shapes (every size symbolic, so offsets and strides too) the exact search
     cannot run; q and k that are both dense are then judged by the element ranges they span,
