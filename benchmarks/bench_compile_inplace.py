@@ -105,13 +105,9 @@ def main() -> int:
         print(f"| {r['layout']} | {r['provider']} | {r['us']:.1f} | {r['gbps']:.1f} | "
               f"{r['ratio_to_copy']:.2f} | {r['ratio_to_eager']:.2f} |")
     if args.out:
-        variant = benchmark.variant_name(args.device, [getattr(torch, args.dtype)])
-        out = (benchmark.results_path(args.out, args.device, "compile-inplace", variant)
-               .with_suffix(".json") if args.out.is_dir() else args.out)
-        command = benchmark.command_line("benchmarks/bench_compile_inplace.py", sys.argv[1:])
-        meta = benchmark.run_metadata(args.device, "compile-inplace", variant, command,
-                                      heap="system allocator as is")
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out, meta = benchmark.json_output(
+            args.out, args.device, "compile-inplace", [getattr(torch, args.dtype)],
+            "benchmarks/bench_compile_inplace.py", sys.argv[1:], heap="system allocator as is")
         out.write_text(json.dumps(dict(
             **meta, machine=machine, device=args.device, python=platform.python_version(),
             rows=rows), indent=1) + "\n")

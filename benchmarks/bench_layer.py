@@ -235,6 +235,12 @@ def main() -> int:
     print("| model | pass | provider | ms | time / transformers' | max error |\n"
           "|---|---|---|---:|---:|---:|", flush=True)
     printed = 0
+    if args.out:  # the file and its header once; each done() rewrites it with the rows so far
+        out, meta = benchmark.json_output(
+            args.out, args.device, "layer", [dtype], "benchmarks/bench_layer.py", sys.argv[1:],
+            heap="system allocator as is")
+        meta.update(machine=machine, device=args.device, python=platform.python_version(),
+                    transformers=transformers.__version__, shape=shape.label(), dtype=args.dtype)
 
     def done(rows: list[dict]) -> None:
         nonlocal printed
@@ -246,17 +252,7 @@ def main() -> int:
                   flush=True)
         printed = len(rows)
         if args.out:
-            variant = benchmark.variant_name(args.device, [dtype])
-            out = (benchmark.results_path(args.out, args.device, "layer", variant)
-                   .with_suffix(".json") if args.out.is_dir() else args.out)
-            command = benchmark.command_line("benchmarks/bench_layer.py", sys.argv[1:])
-            meta = benchmark.run_metadata(args.device, "layer", variant, command,
-                                          heap="system allocator as is")
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(dict(
-                **meta, machine=machine, device=args.device, python=platform.python_version(),
-                transformers=transformers.__version__, shape=shape.label(), dtype=args.dtype,
-                layers=rows), indent=1) + "\n")
+            out.write_text(json.dumps(dict(**meta, layers=rows), indent=1) + "\n")
 
     rows = run(args.device, dtype, shape, args.models, backward, args.min_run_time, done=done)
     return 0 if all(r["ms"] is not None for r in rows) else 1

@@ -169,6 +169,18 @@ def run_metadata(device: str, suite: str, variant: str, command: str, heap: str)
                 command=command)
 
 
+def json_output(out: Path, device: str, suite: str, dtypes: Sequence[torch.dtype], script: str,
+                argv: Sequence[str], heap: str) -> tuple[Path, dict]:
+    """For the scripts that write one JSON (bench_compile_inplace.py, bench_layer.py): the
+    file `--out` names (a directory: results_path's .json there) and the run's metadata."""
+    variant = variant_name(device, dtypes)
+    path = (results_path(out, device, suite, variant).with_suffix(".json") if out.is_dir()
+            else out)
+    meta = run_metadata(device, suite, variant, command_line(script, argv), heap=heap)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path, meta
+
+
 def command_line(script: str, argv: Sequence[str]) -> str:
     """`python script argv...` as typed, preceded by the ROPE_EXT_* settings in the
     environment (they choose the kernel and its stores)."""
