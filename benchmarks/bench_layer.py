@@ -156,7 +156,7 @@ def run(device: str, dtype: torch.dtype, shape: Shape, models: list[str], backwa
             layer, x, cos_sin = build(model, shape, device, dtype)
             providers = [(HF, None), (OURS, False)] + ([(FUSED, True)] if MODELS[model][4]
                                                        else [])
-            calls: dict[str, Callable[[], object]] = {}
+            calls: dict[str, tuple[Callable[[], object], bool | None]] = {}  # call, fuse
             errors: dict[str, float | None] = {}
             want = None
             for name, fuse in providers:
@@ -175,14 +175,14 @@ def run(device: str, dtype: torch.dtype, shape: Shape, models: list[str], backwa
                         print(f"{model} {name}: differs from transformers' layer by "
                               f"{errors[name]:.3g}, not timed", file=sys.stderr)
                         continue
-                calls[name] = call
+                calls[name] = call, fuse
             # Interleaved rounds, each provider with the functions it was compiled with in
             # place; a recompile there would time the compiler, so it is an error.
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(rounds):
-                for name, call in calls.items():
-                    if fuse_of(name) is not None:
-                        rope_ext.hf.enable(fuse_qk_norm=fuse_of(name))
+                for name, (call, fuse) in calls.items():
+                    if fuse is not None:
+                        rope_ext.hf.enable(fuse_qk_norm=fuse)
                     try:
                         with torch.compiler.set_stance("fail_on_recompile"):
                             times[name].append(
@@ -200,10 +200,6 @@ def run(device: str, dtype: torch.dtype, shape: Shape, models: list[str], backwa
                      for name in errors if name not in times]
             done(rows)
     return rows
-
-
-def fuse_of(provider: str) -> bool | None:
-    return {HF: None, OURS: False, FUSED: True}[provider]
 
 
 def main() -> int:
