@@ -366,79 +366,102 @@ class _PerTest:
         self.cov.switch_context("(between tests)")
 
 
+class TestRun:
+    """pytest -x on a copy, in a fork of this process (see start); poll says when it ends."""
+
+    def __init__(self, copy: Path, tests: list[str], inductor: Path,
+                 measure: str | None = None, threads: int | None = None):
+        """Start the run. With measure (a file of the copy), the whole list instead, under
+        coverage of that file, each test's lines recorded (see per_test_lines). With threads,
+        torch's intra-op threads (one per job where jobs share the machine)."""
+        shutil.rmtree(inductor, ignore_errors=True)  # no graph compiled against another mutant
+        self.log = inductor.parent / "pytest.log"
+        self.began = time.monotonic()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(copy, tests, inductor, self.log, measure, threads)
+
+    def poll(self, timeout: float) -> tuple[str, str, float] | None:
+        """None while it runs; then (outcome, detail, seconds), outcome passed, failed or
+        timeout (the run, its subprocesses included, killed after timeout seconds)."""
+        done, status = os.waitpid(self.pid, os.WNOHANG)
+        seconds = time.monotonic() - self.began
+        if not done:
+            if seconds < timeout:
+                return None
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # not yet a group of its own
+                os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            return "timeout", f"over {timeout:.0f} s", seconds
+        output = self.log.read_text(errors="replace")
+        if os.waitstatus_to_exitcode(status) == 0:
+            return "passed", "", seconds
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
+        detail = failed[0] if failed else (output.strip().splitlines() or ["?"])[-1]
+        return "failed", detail, seconds
+
+
+def _child(copy: Path, tests: list[str], inductor: Path, log: Path, measure: str | None,
+           threads: int | None) -> None:
+    """The forked test run: a process group of its own (its subprocesses included)."""
+    code = 3
+    try:
+        os.setpgid(0, 0)  # a group, not a session: the caller's scheduling group and nice
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.chdir(copy)
+        sys.path.insert(0, str(copy))
+        sys.dont_write_bytecode = True  # a mutant's .pyc must never outlive it
+        os.environ.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
+                          PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=str(inductor))
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        plugins, cov = [], None
+        if measure:
+            import coverage
+
+            cov = coverage.Coverage(data_file=str(inductor.parent / "coverage"),
+                                    include=[str(copy / measure)])
+            cov.start()
+            plugins.append(_PerTest(cov))
+            _record_spawns(plugins[0])
+            importlib.import_module(measure.removesuffix(".py").replace("/", "."))
+        import pytest
+        import rope_ext
+
+        if not rope_ext.__file__.startswith(str(copy)):
+            print(f"rope_ext imported from {rope_ext.__file__}, not the copy {copy}")
+        else:
+            code = int(pytest.main([*([] if measure else ["-x"]), "-q", "-p",
+                                    "no:cacheprovider", *_test_args(tests)],
+                                   plugins=plugins))
+        if cov is not None:
+            cov.stop()
+            cov.save()
+            (inductor.parent / "tests.json").write_text(json.dumps(
+                dict(order=plugins[0].order, spawning=sorted(plugins[0].spawning))))
+    except BaseException:  # noqa: BLE001 - said in the log, and the run fails
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def run_tests(copy: Path, tests: list[str], timeout: float, inductor: Path,
               measure: str | None = None) -> tuple[str, str, float]:
-    """pytest -x on the copy, in a fork of this process: (outcome, detail, seconds), outcome
-    passed, failed or timeout. With measure (a file of the copy), the whole list instead,
-    under coverage of that file, each test's lines recorded (see per_test_lines)."""
-    shutil.rmtree(inductor, ignore_errors=True)  # no graph compiled against another mutant
-    log = inductor.parent / "pytest.log"
-    began = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # the test run, a process group of its own (its subprocesses included)
-        code = 3
-        try:
-            os.setpgid(0, 0)  # a group, not a session: the caller's scheduling group and nice
-            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(out, 1)
-            os.dup2(out, 2)
-            os.chdir(copy)
-            sys.path.insert(0, str(copy))
-            sys.dont_write_bytecode = True  # a mutant's .pyc must never outlive it
-            os.environ.update(PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
-                              PYTHONHASHSEED="0", TORCHINDUCTOR_CACHE_DIR=str(inductor))
-            plugins, cov = [], None
-            if measure:
-                import coverage
-
-                cov = coverage.Coverage(data_file=str(inductor.parent / "coverage"),
-                                        include=[str(copy / measure)])
-                cov.start()
-                plugins.append(_PerTest(cov))
-                _record_spawns(plugins[0])
-                importlib.import_module(measure.removesuffix(".py").replace("/", "."))
-            import pytest
-            import rope_ext
-
-            if not rope_ext.__file__.startswith(str(copy)):
-                print(f"rope_ext imported from {rope_ext.__file__}, not the copy {copy}")
-            else:
-                code = int(pytest.main([*([] if measure else ["-x"]), "-q", "-p",
-                                        "no:cacheprovider", *_test_args(tests)],
-                                       plugins=plugins))
-            if cov is not None:
-                cov.stop()
-                cov.save()
-                (inductor.parent / "tests.json").write_text(json.dumps(
-                    dict(order=plugins[0].order, spawning=sorted(plugins[0].spawning))))
-        except BaseException:  # noqa: BLE001 - said in the log, and the run fails
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    status = None
-    while status is None and time.monotonic() - began < timeout:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if not done:
-            status = None
-            time.sleep(0.05)
-    seconds = time.monotonic() - began
-    if status is None:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:  # not yet a group of its own
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return "timeout", f"over {timeout:.0f} s", seconds
-    output = log.read_text(errors="replace")
-    if os.waitstatus_to_exitcode(status) == 0:
-        return "passed", "", seconds
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
-    detail = failed[0] if failed else (output.strip().splitlines() or ["?"])[-1]
-    return "failed", detail, seconds
+    """A TestRun, waited for."""
+    run = TestRun(copy, tests, inductor, measure)
+    while (result := run.poll(timeout)) is None:
+        time.sleep(0.05)
+    return result
 
 
 def _test_args(tests: list[str]) -> list[str]:
@@ -506,11 +529,10 @@ def per_test_lines(copy: Path, name: str, tests: list[str],
     return Coverage(by_line, recorded["order"], set(recorded["spawning"]) - {""}), seconds
 
 
-def statement_lines(path: Path, m: "Mutant") -> range:
-    """The lines a mutant's statement runs up to the mutant's end: from the innermost
-    statement holding it (its header, for an if or a loop) to the mutated node's last line.
-    Any of them run means the statement ran."""
-    source = path.read_bytes()
+def statement_lines(source: bytes, m: "Mutant") -> range:
+    """The lines a mutant's statement runs up to the mutant's end, in the unmutated source:
+    from the innermost statement holding it (its header, for an if or a loop) to the mutated
+    node's last line. Any of them run means the statement ran."""
     end_line = source[:m.end].count(b"\n") + 1
     end_column = m.end - (source.rfind(b"\n", 0, m.end) + 1)
     best = None
@@ -550,6 +572,12 @@ def main() -> int:
     parser.add_argument("--survivors-of", type=Path, metavar="JSON",
                         help="only the mutants that survived in this --json record (after "
                         "adding tests, or with other --tests)")
+    parser.add_argument("--untried-in", type=Path, nargs="+", metavar="JSON",
+                        help="only the mutants that none of these --json records holds "
+                        "(what earlier runs or samples left out)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="mutants run at once, each in a copy of its own with 1 / jobs of "
+                        "the cores' threads (Python files only; default 1)")
     parser.add_argument("--all-tests", action="store_true",
                         help="run the whole test list for every mutant (default: only the "
                         "tests that run the mutated statement, from one run under coverage)")
@@ -558,6 +586,8 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true",
                         help="with --json: skip the mutants that file already holds")
     args = parser.parse_args()
+    if args.jobs < 1 or (args.jobs > 1 and args.rope_math):
+        raise SystemExit("--jobs: 1 or more, and 1 with --rope-math (each mutant is a build)")
 
     if args.rope_math:
         files = ["csrc/rope_math.h"]
@@ -594,6 +624,27 @@ def main() -> int:
             if gone:
                 print(f"{name}: {gone} of {len(survived)} survivors in {args.survivors_of} "
                       f"are no longer there (their code changed)")
+        if args.untried_in:
+            # Matched as --survivors-of does; of equal mutants, each record claims the one
+            # nearest to where it was. A mutant in several records (a run, then a run of its
+            # survivors) is claimed once: per mutation, the record that holds it most often.
+            tried: dict[tuple, list[int]] = {}
+            for record_file in args.untried_in:
+                mine: dict[tuple, list[int]] = {}
+                for r in json.loads(record_file.read_text()):
+                    if r["file"] == name:
+                        mine.setdefault(_what(r), []).append(r["start"])
+                for what, starts in mine.items():
+                    if len(starts) > len(tried.get(what, [])):
+                        tried[what] = starts
+            claimed = set()
+            for what, starts in tried.items():
+                same = [m for m in mutants if _what(dataclasses.asdict(m)) == what]
+                for start in sorted(starts):
+                    free = [m for m in same if m.key not in claimed]
+                    if free:
+                        claimed.add(min(free, key=lambda m: abs(m.start - start)).key)
+            selected[name] = [m for m in selected[name] if m.key not in claimed]
         print(f"{name}: {len(mutants)} mutants, {len(selected[name])} selected")
     if args.list:
         for mutants in selected.values():
@@ -614,10 +665,11 @@ def main() -> int:
 
     preload()
     began = time.monotonic()
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
     with tempfile.TemporaryDirectory(prefix="rope-mutate-") as tmp:
-        workdir = Path(tmp)
-        copy = make_copy(workdir)
-        inductor = workdir / "inductor"
+        # One copy per job: a mutant is written into its job's copy while it runs.
+        copies = [make_copy(Path(tmp) / f"job{j}") for j in range(args.jobs)]
+        copy, inductor = copies[0], copies[0].parent / "inductor"
         for name, mutants in selected.items():
             tests = args.tests or TESTS[name]
             target = copy / name
@@ -632,8 +684,8 @@ def main() -> int:
                                  f"{stale[0].describe()}): run again")
             if all(m.key in done for m in mutants):  # --resume: nothing left of this file
                 continue
-            if native and not build(copy, workdir / "build.log"):
-                raise SystemExit(f"the unmutated copy does not build: {workdir / 'build.log'}")
+            if native and not build(copy, copy.parent / "build.log"):
+                raise SystemExit(f"the unmutated copy does not build: {copy.parent / 'build.log'}")
             covered = None
             if not native and not args.all_tests:
                 # One run under coverage: it proves the unmutated tests pass, and its time
@@ -647,30 +699,45 @@ def main() -> int:
                     raise SystemExit(f"{name}: the tests fail without a mutant ({detail})")
             timeout = args.timeout or max(60.0, 3 * seconds)
             print(f"{name}: unmutated tests pass in {seconds:.0f} s ({', '.join(tests)}); "
-                  f"{timeout:.0f} s per mutant at most")
-            for i, m in enumerate(mutants, 1):
-                if m.key in done:
-                    continue
-                chosen = tests if covered is None else \
-                    covered.tests_for(statement_lines(target, m), tests)
-                if chosen is None:
-                    record(m, "survived", "no test runs it", 0.0)
-                    print(f"[{i}/{len(mutants)}] survived    no test runs it  {m.describe()}")
-                    continue
-                target.write_bytes(original[:m.start] + m.after.encode() + original[m.end:])
-                try:
-                    if native and not build(copy, workdir / "build.log"):
-                        outcome, detail, seconds = "not built", "does not compile", 0.0
-                    else:
-                        outcome, detail, seconds = run_tests(copy, chosen, timeout, inductor)
-                finally:
-                    target.write_bytes(original)
+                  f"{timeout:.0f} s per mutant at most"
+                  + (f", {args.jobs} at once" if args.jobs > 1 else ""))
+            queue = [(i, m) for i, m in enumerate(mutants, 1) if m.key not in done]
+            running: dict[int, tuple[int, Mutant, TestRun]] = {}  # job -> what it runs
+
+            def report(i: int, m: Mutant, outcome: str, detail: str, seconds: float) -> None:
                 outcome = {"passed": "survived", "failed": "killed"}.get(outcome, outcome)
                 record(m, outcome, detail, seconds)
                 print(f"[{i}/{len(mutants)}] {outcome:9s} {seconds:5.1f} s  {m.describe()}"
-                      + (f"  <- {detail}" if outcome == "killed" else ""), flush=True)
+                      + (f"  <- {detail}" if detail else ""), flush=True)
+
+            while queue or running:
+                for job in [j for j in range(args.jobs) if j not in running]:
+                    if not queue:
+                        break
+                    i, m = queue.pop(0)
+                    chosen = tests if covered is None else \
+                        covered.tests_for(statement_lines(original, m), tests)
+                    if chosen is None:
+                        report(i, m, "passed", "no test runs it", 0.0)
+                        continue
+                    mine = copies[job] / name
+                    mine.write_bytes(original[:m.start] + m.after.encode() + original[m.end:])
+                    if native and not build(copy, copy.parent / "build.log"):
+                        mine.write_bytes(original)
+                        report(i, m, "not built", "does not compile", 0.0)
+                        continue
+                    running[job] = i, m, TestRun(copies[job], chosen,
+                                                 copies[job].parent / "inductor",
+                                                 threads=threads)
+                for job, (i, m, run) in list(running.items()):
+                    result = run.poll(timeout)
+                    if result is not None:
+                        (copies[job] / name).write_bytes(original)
+                        del running[job]
+                        report(i, m, *result)
+                time.sleep(0.05)
             if native:
-                build(copy, workdir / "build.log")  # back to the unmutated library
+                build(copy, copy.parent / "build.log")  # back to the unmutated library
 
     print(f"\nmutation score ({(time.monotonic() - began) / 60:.1f} min):")
     for name in selected:
