@@ -168,6 +168,9 @@ ACCEPTED_CASES = [
     ("qk with positions: ranks differ", "apply_rotary_qk",
      (x_(6, 2, 16), x_(1, 6, 1, 16), T, _positions([1], [0], [2], [7], [3], [4])), {}),
     ("in place, size-1 dim of stride 0", "apply_rotary_", (x_(4, 16).expand(1, 4, 16), T), {}),
+    ("no tokens, no positions", "apply_rotary", (x_(2, 0, 16), T, _positions()), {}),
+    ("no tokens, positions per sequence", "apply_rotary",
+     (x_(2, 0, 16), T, torch.zeros(2, 0, dtype=torch.long)), {}),
 ]
 
 
@@ -199,15 +202,16 @@ def test_limits_are_accepted_on_every_path(case, monkeypatch):
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("positions,lo,hi", [([0, 12], 0, 12), ([-1, 3], -1, 3)])
+@pytest.mark.parametrize("positions,lo,hi", [([0, 12], 0, 12), ([-1, 3], -1, 3), ([12], 12, 12),
+                                             ([-1], -1, -1)])
 @pytest.mark.parametrize("native", [True, False])
 def test_positions_out_of_range_leave_input_untouched(positions, lo, hi, native, monkeypatch):
     if not native:
         monkeypatch.setattr(_native, "NATIVE_DEVICES", frozenset())
     table = torch.view_as_real(rope_ext.precompute_freqs_cis(16, 12))  # 12 rows, 8 pairs
-    x = x_(2, 1, 2, 16)
+    x = x_(len(positions), 1, 2, 16)  # one token per sequence
     before = x.clone()
-    pos = torch.tensor(positions).view(2, 1, 1)
+    pos = torch.tensor(positions).view(-1, 1, 1)
     message = (f"apply_rotary_: offset + positions must lie in [0, 12) (the rows of freqs_cis), "
                f"got values in [{lo}, {hi}]")
     with pytest.raises(IndexError, match=re.escape(message)):

@@ -265,3 +265,116 @@ def test_unprovable_layouts_are_refused_with_their_strides(monkeypatch):
         _checks.check_inplace_target("apply_rotary_", "x", x)
     monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", 100000)
     _checks.check_inplace_target("apply_rotary_", "x", x)
+
+
+def _children_by_brute_force(a, da, b, db, delta):
+    """The sub-questions _may_overlap must ask, in order, for one question past its range
+    test: every index of the dim it splits (the larger stride's, or both dims' relative index
+    where the strides are equal) whose remaining blocks still meet, found by trying each index
+    rather than by the division arithmetic the search uses."""
+    def meet(da2, db2, delta2):
+        return delta2 < a.spans[da2] and -delta2 < b.spans[db2]
+
+    sa = a.strides[da] if da < a.n else -1
+    sb = b.strides[db] if db < b.n else -1
+    if sa == sb:
+        steps = [(da + 1, db + 1, delta + t * sa) for t in range(-(a.sizes[da] - 1), b.sizes[db])]
+    elif sa > sb:
+        steps = [(da + 1, db, delta - i * sa) for i in range(a.sizes[da])]
+    else:
+        steps = [(da, db + 1, delta + j * sb) for j in range(b.sizes[db])]
+    return [s for s in steps if meet(*s)]
+
+
+@pytest.fixture
+def traced_search(monkeypatch):
+    """_may_overlap and _internal_overlap wrapped (their recursion goes through the module's
+    names): each question's sub-questions are recorded and checked against the brute-force
+    list. Yields the number of _may_overlap calls so far, in a one-element list."""
+    search, internal = _checks._may_overlap, _checks._internal_overlap
+    open_calls, calls = [], [0]
+
+    def checked(asked, expected, found):
+        # Asked in order until one finds an overlap: all of them where none does.
+        got = [(da, db, delta) for da, db, delta, _ in asked]
+        if found and asked and asked[-1][3]:
+            assert got == expected[:len(got)], (got, expected)
+        else:
+            assert got == expected, (got, expected)
+
+    def may_overlap(a, da, b, db, delta, budget):
+        calls[0] += 1
+        if open_calls:
+            open_calls[-1].append([da, db, delta, None])
+        open_calls.append([])
+        found = search(a, da, b, db, delta, budget)
+        asked = open_calls.pop()
+        if open_calls:
+            open_calls[-1][-1][3] = found
+        if budget[0] >= 0:
+            first = not (delta < a.spans[da] and -delta < b.spans[db]) \
+                or (da == a.n and db == b.n)
+            checked(asked, [] if first else _children_by_brute_force(a, da, b, db, delta), found)
+        return found
+
+    def internal_overlap(a, d, budget):
+        open_calls.append([])
+        found = internal(a, d, budget)
+        asked = open_calls.pop()
+        if budget[0] >= 0 and d < a.n:  # shifts of dims d+1.. against themselves, by t rows
+            expected = [(d + 1, d + 1, t * a.strides[d]) for t in range(1, a.sizes[d])
+                        if t * a.strides[d] < a.spans[d + 1]]
+            if not (found and not asked):  # (an overlap found inside dims d+1.. already)
+                checked(asked, expected, found)
+        return found
+
+    monkeypatch.setattr(_checks, "_may_overlap", may_overlap)
+    monkeypatch.setattr(_checks, "_internal_overlap", internal_overlap)
+    yield calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8], ids=["4-byte", "1-byte"])
+def test_overlap_search_asks_exactly_the_questions_where_blocks_meet(traced_search, dtype):
+    # The enumeration tests above check the answers; this checks the search's bounds: a bound
+    # one too wide asks a question whose blocks cannot meet (a wasted step, or a false overlap
+    # at an index past a dim's end), one too narrow skips one that can. The search works in
+    # bytes: 1-byte elements (FP8 caches) reach the remainders that 4-byte ones never do.
+    gen = torch.Generator().manual_seed(4)
+    for i in range(900):
+        buffer = torch.zeros(160, dtype=dtype)
+        q = random_view(buffer, gen)
+        if i % 3 == 0:
+            _checks._internal_overlap(_checks._Layout(q), 0, [_checks._OVERLAP_BUDGET])
+            continue
+        if i % 3 == 1:
+            k = random_view(buffer, gen, like=q)
+        else:  # q's strides, as views of one projection have (see above)
+            extent = sum((n - 1) * s for n, s in zip(q.shape, q.stride())) + 1
+            offset = int(torch.randint(0, buffer.numel() - extent + 1, (), generator=gen))
+            k = buffer.as_strided(q.shape, q.stride(), offset)
+        delta = (k.storage_offset() - q.storage_offset()) * q.element_size()
+        _checks._may_overlap(_checks._Layout(q), 0, _checks._Layout(k), 0, delta,
+                             [_checks._OVERLAP_BUDGET])
+    assert traced_search[0] > 1500  # hundreds of sub-questions besides the 900 first ones
+
+
+def test_overlap_search_stops_when_its_budget_is_spent(traced_search, monkeypatch):
+    # One step past the budget answers "cannot prove" and every open question stops there.
+    x = torch.randn(128).as_strided([4, 3, D], [9, 10, 12])  # distinct, strides interleaved
+    _checks.check_inplace_target("apply_rotary_", "x", x)
+    needed = traced_search[0]
+    assert needed == 14
+    for budget in range(needed):
+        monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", budget)
+        traced_search[0] = 0
+        with pytest.raises(ValueError, match="cannot prove that the elements of x are distinct"):
+            _checks.check_inplace_target("apply_rotary_", "x", x)
+        assert traced_search[0] == budget + 1
+
+
+def test_empty_views_share_no_memory():
+    # An empty q or k holds no element, so it overlaps nothing, even as a view of the other.
+    buffer = torch.randn(40)
+    q = buffer.as_strided([2, 3, D], [12, 4, 1], 0)
+    check_in_every_path("apply_rotary_qk_", [q, q[:, :0]], False)
+    check_in_every_path("apply_rotary_qk_", [q[:, :0], q], False)

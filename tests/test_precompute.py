@@ -70,6 +70,7 @@ def test_empty_table():
         (dict(dim=1, end=4), ValueError, "dim must be >= 2, got 1"),
         (dict(dim=8, end=-1), ValueError, "end must be >= 0, got -1"),
         (dict(dim=8, end=4, theta=-1.0), ValueError, "theta must be > 0, got -1"),
+        (dict(dim=8, end=4, theta=0.0), ValueError, "theta must be > 0, got 0"),
         (dict(dim=8, end=4, dtype=torch.float16), TypeError, "dtype must be float32 or float64, got Half"),
     ],
 )
@@ -85,6 +86,23 @@ def test_bad_arguments(kwargs, error, match, monkeypatch):
     dtype = kwargs.pop("dtype", None)
     with pytest.raises(error, match=match):
         torch.ops.rope_ext.precompute_freqs_cis(**kwargs, dtype=dtype)
+
+
+@pytest.mark.parametrize("dim,end,theta", [(2, 5, 10000.0), (3, 5, 10000.0), (8, 0, 10000.0),
+                                           (8, 5, 0.5)])
+def test_limits_are_accepted_on_every_path(dim, end, theta, monkeypatch):
+    # One pair, an odd dim, no rows, a base below 1: the native op and the eager path build
+    # the same table, the float64 reference's.
+    want = reference.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
+    native = rope_ext.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
+    with monkeypatch.context() as without_library:  # no library at all: the eager path
+        without_library.setattr(_native, "LOADED", False)
+        without_library.setattr(_native, "NATIVE_DEVICES", frozenset())
+        without_library.setattr(_native, "_warned", {"cpu"})
+        fallback = rope_ext.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
+    for got in (native, fallback):
+        assert got.shape == (end, dim // 2)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
 
 
 def test_scaling_arguments_read_both_transformers_forms():
