@@ -52,9 +52,11 @@ def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
         return Case(b, s, hq, hk, d, dtype, device, **kw)
 
     if suite == "core":  # the shapes the issues' targets are stated for
-        if device == "cuda":
+        if device == "cuda":  # Llama-3-8B and -70B prefill; a serving batch's decode step
             return [c(4, 4096, 32, 8, 128, name="prefill GQA"),
-                    c(64, 1, 32, 32, 128, decode_offset=4000, name="decode")]
+                    c(1, 8192, 64, 8, 128, name="Llama-3-70B prefill"),
+                    c(64, 1, 32, 8, 128, decode_offset=4000, per_sequence=True,
+                      name="decode, per-sequence positions")]
         return [c(1, 2048, 32, 32, 128, name="LLaMA-7B"),
                 c(32, 1, 32, 32, 128, decode_offset=1000, name="decode")]
     if suite == "prefill":

@@ -97,8 +97,12 @@ python -c "from rope_ext import benchmark; print('\n'.join(benchmark.peer_report
   tee -a "$OUT/summary.txt"
 
 say "GPU benchmark"
-timeout 180 python benchmarks/bench_rope.py --device cuda --suite core --dtypes bfloat16,float16 \
-  --out "$OUT/bench" 2>&1 | tail -60 | tee "$OUT/bench.log"
+# The peers' cases: Llama-3-8B and -70B prefill and a per-sequence decode step, bf16 and float32,
+# then partial rotary; forward + backward for every provider that has a backward.
+timeout 240 python benchmarks/bench_rope.py --device cuda --suite core --dtypes bfloat16,float32 \
+  --backward --out "$OUT/bench" 2>&1 | tail -80 | tee "$OUT/bench.log"
+timeout 60 python benchmarks/bench_rope.py --device cuda --suite partial --dtypes bfloat16 \
+  --backward --out "$OUT/bench_partial" 2>&1 | tail -30 | tee "$OUT/bench_partial.log"
 say "GPU benchmark: fused RMSNorm + RoPE (vLLM's fused_qk_norm_rope where importable)"
 timeout 120 python benchmarks/bench_rope.py --device cuda --suite qk_norm --dtypes bfloat16 \
   --no-compile --out "$OUT/bench_qk_norm" 2>&1 | tail -45 | tee "$OUT/bench_qk_norm.log"

@@ -229,6 +229,9 @@ class Case:
     device: str
     rotary_dim: int | None = None  # partial rotary when < head_dim
     decode_offset: int = 0  # positions start here (KV-cache decode)
+    # Each sequence at a position of its own, in [0, decode_offset] (a serving batch's decode
+    # step): positions [B, S, 1], as a varlen case's.
+    per_sequence: bool = False
     varlen: bool = False  # one packed batch of sequences, positions restarting per sequence
     mrope: bool = False  # Qwen2-VL's MRoPE: text, an image grid, text (see mrope_positions)
     qk_norm: bool = False  # Qwen3's per-head RMSNorm then half-split RoPE (_qk_norm_providers)
@@ -258,9 +261,11 @@ class Inputs:
     q: torch.Tensor
     k: torch.Tensor
     freqs_cis: torch.Tensor  # complex [P, R/2]
-    cos: torch.Tensor  # [S, R] in q's dtype, HF's half-split form
+    cos: torch.Tensor  # [S, R] ([B, S, R] per sequence) in q's dtype, HF's half-split form
     sin: torch.Tensor
-    positions: torch.Tensor | None  # [1, S, 1] for varlen cases; [3, 1, S, 1] for MRoPE
+    # Absolute rows of freqs_cis: [1, S, 1] for varlen cases, [B, S, 1] per sequence,
+    # [3, 1, S, 1] for MRoPE; None where they are decode_offset, decode_offset + 1, ...
+    positions: torch.Tensor | None
 
 
 MROPE_SECTION = [16, 24, 24]  # Qwen2-VL / Qwen2.5-VL (time, height, width), R = 128
@@ -312,6 +317,11 @@ def make_inputs(case: Case) -> Inputs:
         positions = packed_positions(case.seq, gen).to(case.device)
         rows = torch.view_as_real(table[positions])
         positions = positions.view(1, case.seq, 1)
+    elif case.per_sequence:
+        starts = torch.randint(0, case.decode_offset + 1, (case.batch, 1), generator=gen)
+        positions = (starts + torch.arange(case.seq)).to(case.device)
+        rows = torch.view_as_real(table[positions])  # [B, S, R/2, 2]
+        positions = positions.view(case.batch, case.seq, 1)
     else:
         rows = torch.view_as_real(table[case.decode_offset:])
     cos = torch.cat([rows[..., 0], rows[..., 0]], -1).to(case.dtype)
@@ -325,7 +335,7 @@ def _llama_eager(q, k, freqs_cis, offset):
 
 def _hf_eager(q, k, cos, sin):
     rot = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [S, 1, R] against [B, S, H, D]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # [(B,) S, 1, R] against [B, S, H, D]
 
     def one(x):
         xr, rest = x[..., :rot], x[..., rot:]
@@ -658,7 +668,7 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
     if case.kv_cache:
         return _kv_cache_providers(case, inputs)
     q, k, table = inputs.q, inputs.k, inputs.freqs_cis
-    where = dict(offset=case.decode_offset, positions=inputs.positions)
+    where = _where(case, inputs)
     buffers = (torch.empty_like(q), torch.empty_like(k))
     out: dict[str, Callable[[], object]] = {
         "copy_ (bound, in-place)": lambda: (buffers[0].copy_(q), buffers[1].copy_(k)),
@@ -674,17 +684,20 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
     }
     if not case.varlen:  # Hugging Face's layout: positions along the innermost leading dim
         qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        where_h = dict(where)
+        if case.per_sequence:
+            where_h["positions"] = inputs.positions.transpose(1, 2)  # [B, 1, S]
         out["rope_ext half-split [B,H,S,D]"] = lambda: api.apply_rotary_qk(
-            qh, kh, table, seq_dim=2, interleaved=False, offset=case.decode_offset)
+            qh, kh, table, seq_dim=2, interleaved=False, **where_h)
     full = case.rotary_dim in (None, case.head_dim)
-    if full and not case.varlen:
+    if full and inputs.positions is None:
         out["eager complex (LLaMA)"] = lambda: _llama_eager(q, k, table, case.decode_offset)
-    elif full:  # the same complex product, with a row gather for the packed positions
+    elif full:  # the same complex product, with a row gather for the given positions
         out["eager complex (LLaMA)"] = lambda: (reference.apply_rotary(q, table, **where),
                                                 reference.apply_rotary(k, table, **where))
     out["eager rotate_half (HF)"] = lambda: _hf_eager(q, k, inputs.cos, inputs.sin)
     if include_compile:
-        if full and not case.varlen:
+        if full and inputs.positions is None:
             llama = _compiled_fn("llama", _llama_eager)
             out["compiled complex (LLaMA)"] = lambda: llama(q, k, table, case.decode_offset)
         hf = _compiled_fn("hf", _hf_eager)
@@ -748,9 +761,16 @@ def _fwd_bwd(forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor,
     return step
 
 
+def _where(case: Case, inputs: Inputs) -> dict:
+    """rope_ext's offset and positions arguments for a plain case's rows."""
+    if inputs.positions is not None:  # absolute rows
+        return dict(offset=0, positions=inputs.positions)
+    return dict(offset=case.decode_offset, positions=None)
+
+
 def _token_positions(case: Case, inputs: Inputs) -> torch.Tensor:
     """int64 [B, S]: each token's position, the rows of inputs.freqs_cis it turns by."""
-    if inputs.positions is not None:  # a packed batch, [1, S, 1]
+    if inputs.positions is not None:  # a packed batch [1, S, 1], or per sequence [B, S, 1]
         return inputs.positions.view(case.batch, case.seq)
     start = torch.arange(case.seq, device=inputs.q.device) + case.decode_offset
     return start.expand(case.batch, case.seq)
@@ -802,7 +822,9 @@ def _liger_providers(peer: Peer, case: Case, inputs: Inputs, grads):
     """Liger's LigerRopeFunction takes q and k as Hugging Face's attention has them, [B, H, S, D]
     views of [B, S, H, D], and cos and sin [1, S, R] in q's dtype as Hugging Face's rotary
     embedding hands them over; it computes in cos's dtype and rotates in place, backward too."""
-    cos, sin = inputs.cos[None], inputs.sin[None]
+    cos, sin = inputs.cos, inputs.sin
+    if cos.dim() == 2:  # one [S, R] for the batch; per sequence, [B, S, R] already
+        cos, sin = cos[None], sin[None]
 
     def forward(q, k):
         q_out, k_out = peer.api.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -858,6 +880,9 @@ def _flash_attn_providers(peer: Peer, case: Case, inputs: Inputs, grads):
     table = inputs.freqs_cis
     cos, sin = table.real.to(case.dtype).contiguous(), table.imag.to(case.dtype).contiguous()
     where: dict = dict(seqlen_offsets=case.decode_offset)
+    if case.per_sequence:  # sequence b at rows seqlen_offsets[b], seqlen_offsets[b] + 1, ...
+        starts = _token_positions(case, inputs)[:, 0]
+        where = dict(seqlen_offsets=starts.to(torch.int32).contiguous())
     if case.varlen:  # positions restart at 0 where each packed sequence starts
         flat = _token_positions(case, inputs).reshape(-1)
         starts = torch.nonzero(flat == 0).flatten()
@@ -1012,8 +1037,7 @@ def check_peer(case: Case, inputs: Inputs, provider: str, call: PeerCall | str) 
     reads: rotated q and k, and for fwd+bwd also their gradients, the gradients rotated back."""
     if isinstance(call, str):
         return Check(case, provider, None, call)
-    where = dict(offset=case.decode_offset, positions=inputs.positions,
-                 interleaved=call.interleaved)
+    where = dict(**_where(case, inputs), interleaved=call.interleaved)
     args = [inputs.q.clone(), inputs.k.clone()]
     want = [reference.apply_rotary(x.double(), inputs.freqs_cis, **where) for x in args]
     if call.grads is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rope_ext import benchmark
+from rope_ext import benchmark, reference
 from rope_ext.benchmark import Case, Result
 
 
@@ -139,7 +139,7 @@ class FakeFlashInfer:
 
 
 class FakeLigerRope(torch.autograd.Function):
-    """LigerRopeFunction: q and k [B, H, S, D] views of [B, S, H, D], cos and sin [1, S, R]
+    """LigerRopeFunction: q and k [B, H, S, D] views of [B, S, H, D], cos and sin [1 or B, S, R]
     (halves repeated); rotates in place, and its backward rotates the gradients in place."""
 
     @staticmethod
@@ -166,9 +166,9 @@ class FakeFlashAttnRotary:
                      interleaved=False, inplace=False, conjugate=False):
         assert not interleaved
         out = x if inplace else x.clone()
-        if cu_seqlens is None:
-            rows = seqlen_offsets + torch.arange(x.shape[1])
-            cos, sin = cos[rows, None], sin[rows, None]
+        if cu_seqlens is None:  # an offset for the batch, or one per sequence ([B] int32)
+            rows = torch.as_tensor(seqlen_offsets).view(-1, 1) + torch.arange(x.shape[1])
+            cos, sin = cos[rows][:, :, None], sin[rows][:, :, None]
         else:
             rows = torch.cat([torch.arange(int(n)) for n in cu_seqlens.diff()])
             cos, sin = cos[rows, None], sin[rows, None]
@@ -185,6 +185,10 @@ PEER_CASES = [
     Case(2, 12, 4, 2, 32, torch.float16, "cpu", rotary_dim=16, name="partial"),
     Case(1, 300, 4, 2, 32, torch.float16, "cpu", varlen=True, name="packed"),
     Case(2, 12, 4, 2, 32, torch.float32, "cpu", name="float32"),
+    Case(5, 1, 4, 2, 32, torch.float16, "cpu", decode_offset=40, per_sequence=True,
+         name="decode per sequence"),
+    Case(2, 3, 4, 2, 32, torch.float16, "cpu", decode_offset=40, per_sequence=True,
+         name="chunk per sequence"),
 ]
 
 
@@ -207,6 +211,28 @@ def test_peer_providers_agree_with_the_reference(case):
         assert check.ok, (name, check)
         # Each output rounded once, from float32: well inside the tolerance.
         assert check.error < 2 * torch.finfo(case.dtype).eps, (name, check.error)
+
+
+@pytest.mark.parametrize("case", PEER_CASES, ids=lambda c: c.name)
+def test_every_provider_rotates_as_the_reference(case):
+    """rope_ext's providers and the eager paths of a plain case (the compiled ones are these
+    functions compiled) turn each token by its rows of the table, per sequence too: each run
+    once on fresh inputs, in its pairing and layout."""
+    first = benchmark.providers(case, benchmark.make_inputs(case), include_compile=False)
+    names = [n for n in first if "(bound," not in n]
+    assert len(names) >= 7, names
+    for name in names:
+        inputs = benchmark.make_inputs(case)
+        q, k = inputs.q.clone(), inputs.k.clone()  # in-place providers write inputs'
+        got = benchmark.providers(case, inputs, include_compile=False)[name]()
+        if "[B,H,S,D]" in name:
+            got = [g.transpose(1, 2) for g in got]
+        interleaved = "half-split" not in name and "rotate_half" not in name
+        want = [reference.apply_rotary(x.double(), inputs.freqs_cis, interleaved=interleaved,
+                                       **benchmark._where(case, inputs)) for x in (q, k)]
+        error = max(((g.double() - w).abs().max() / w.abs().max()).item()
+                    for g, w in zip(got, want, strict=True))
+        assert error <= benchmark.peer_tolerance(case.dtype), (name, error)
 
 
 def test_peer_tolerance_admits_rounding_not_a_mistaken_convention():
@@ -309,7 +335,7 @@ def test_flash_attn_loads_from_the_carried_file(tmp_path, monkeypatch):
 INTERPRETED = '''
 import contextlib, dataclasses, sys, torch
 torch.cuda.device = lambda index: contextlib.nullcontext()  # flash-attn enters x's CUDA device
-from rope_ext import benchmark
+from rope_ext import benchmark, reference
 loaded, missing = benchmark.load_peers({name: benchmark.PEERS[name] for name in sys.argv[1:]})
 assert not set(sys.argv[1:]) & set(missing), missing
 failed = 0
@@ -330,7 +356,7 @@ sys.exit(failed)
 def test_the_carried_liger_and_flash_attn_agree_with_the_reference_in_triton_s_interpreter(
         tmp_path):
     # float32 and float16: the interpreter (Triton 3.8) computes bfloat16 products wrongly.
-    cases = [dataclasses.replace(c, dtype=dt) for c in PEER_CASES[:4]
+    cases = [dataclasses.replace(c, dtype=dt) for c in PEER_CASES if c.name != "float32"
              for dt in (torch.float32, torch.float16)]
     site = tmp_path / "site"
     zipfile.ZipFile(next(benchmark.peers_dir().glob("wheels/liger_kernel-*.whl"))).extractall(site)
