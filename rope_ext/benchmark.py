@@ -703,13 +703,26 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
         hf = _compiled_fn("hf", _hf_eager)
         out["compiled rotate_half (HF)"] = lambda: hf(q, k, inputs.cos, inputs.sin)
     if include_backward:  # as the peers' fwd+bwd providers: torch.autograd.grad, q and k
-        grads = (torch.randn_like(q), torch.randn_like(k))
+        grads = backward_grads(q, k)
         for name, interleaved in (("rope_ext fwd+bwd", True), ("rope_ext half-split fwd+bwd",
                                                                  False)):
             step = _fwd_bwd(functools.partial(api.apply_rotary_qk, freqs_cis=table,
                                               interleaved=interleaved, **where))
             out[name] = functools.partial(step, q, k, grads)
+        hf_paths = [("eager rotate_half (HF) fwd+bwd", _hf_eager)]
+        if include_compile:  # Inductor compiles the backward too (AOTAutograd)
+            hf_paths.append(("compiled rotate_half (HF) fwd+bwd", _compiled_fn("hf", _hf_eager)))
+        for name, fn in hf_paths:
+            step = _fwd_bwd(functools.partial(fn, cos=inputs.cos, sin=inputs.sin))
+            out[name] = functools.partial(step, q, k, grads)
     return out
+
+
+def backward_grads(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output gradients every fwd+bwd provider of a case is given (seeded: the same for
+    rope_ext, the eager and compiled paths and the peers)."""
+    gen = torch.Generator().manual_seed(2)
+    return tuple(torch.randn(x.shape, generator=gen).to(x) for x in (q, k))
 
 
 # Third-party peers. Each library is imported once per process, when a GPU case first asks for
@@ -990,10 +1003,7 @@ def third_party(case: Case, inputs: Inputs, include_backward: bool = False,
     if case.device != "cuda" or case.mrope or case.qk_norm or case.kv_cache:
         return {}
     loaded = peers()[0] if loaded is None else loaded
-    grads = None
-    if include_backward:
-        gen = torch.Generator().manual_seed(2)
-        grads = tuple(torch.randn(x.shape, generator=gen).to(x) for x in (inputs.q, inputs.k))
+    grads = backward_grads(inputs.q, inputs.k) if include_backward else None
     found: dict[str, PeerCall | str] = {}
     for name, peer in loaded.items():
         found.update(PEERS[name].providers(peer, case, inputs, grads))

@@ -216,20 +216,26 @@ def test_peer_providers_agree_with_the_reference(case):
 @pytest.mark.parametrize("case", PEER_CASES, ids=lambda c: c.name)
 def test_every_provider_rotates_as_the_reference(case):
     """rope_ext's providers and the eager paths of a plain case (the compiled ones are these
-    functions compiled) turn each token by its rows of the table, per sequence too: each run
-    once on fresh inputs, in its pairing and layout."""
-    first = benchmark.providers(case, benchmark.make_inputs(case), include_compile=False)
+    functions compiled) turn each token by its rows of the table, per sequence too, and their
+    fwd+bwd forms rotate the gradients back: each run once on fresh inputs, in its pairing
+    and layout."""
+    first = benchmark.providers(case, benchmark.make_inputs(case), include_compile=False,
+                                include_backward=True)
     names = [n for n in first if "(bound," not in n]
-    assert len(names) >= 7, names
+    assert len(names) >= 10, names
     for name in names:
         inputs = benchmark.make_inputs(case)
         q, k = inputs.q.clone(), inputs.k.clone()  # in-place providers write inputs'
-        got = benchmark.providers(case, inputs, include_compile=False)[name]()
+        got = benchmark.providers(case, inputs, include_compile=False,
+                                  include_backward=True)[name]()
         if "[B,H,S,D]" in name:
             got = [g.transpose(1, 2) for g in got]
         interleaved = "half-split" not in name and "rotate_half" not in name
-        want = [reference.apply_rotary(x.double(), inputs.freqs_cis, interleaved=interleaved,
-                                       **benchmark._where(case, inputs)) for x in (q, k)]
+        where = dict(interleaved=interleaved, **benchmark._where(case, inputs))
+        want = [reference.apply_rotary(x.double(), inputs.freqs_cis, **where) for x in (q, k)]
+        if name.endswith("fwd+bwd"):  # and the gradients, rotated back
+            want += [reference.apply_rotary(g.double(), inputs.freqs_cis, inverse=True, **where)
+                     for g in benchmark.backward_grads(q, k)]
         error = max(((g.double() - w).abs().max() / w.abs().max()).item()
                     for g, w in zip(got, want, strict=True))
         assert error <= benchmark.peer_tolerance(case.dtype), (name, error)
