@@ -343,7 +343,9 @@ def mrope_positions(
     Returns the positions and, per sequence, max position + 1 - length (transformers'
     rope_deltas: decode step positions are length + delta).
     """
-    types = mm_token_type_ids.reshape(-1, mm_token_type_ids.shape[-1]).tolist()
+    shape = mm_token_type_ids.shape
+    # Not reshape(-1, S): with S = 0 the -1 is ambiguous.
+    types = mm_token_type_ids.reshape(shape[:-1].numel(), shape[-1]).tolist()
     grids = {1: iter([] if image_grid_thw is None else image_grid_thw.tolist()),
              2: iter([] if video_grid_thw is None else video_grid_thw.tolist())}
     out, deltas = [], []

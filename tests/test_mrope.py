@@ -248,6 +248,9 @@ def test_mrope_positions_lay_out_text_images_and_videos():
             "mrope_positions: a vision block of 3 tokens at token 1 does not match its grid "
             "[1, 4, 4] (4 tokens after the spatial merge)")):
         rope_ext.mrope_positions(torch.tensor([0, 1, 1, 1]), torch.tensor([[1, 4, 4]]))
+    # No tokens: no positions, and a delta of 0 per sequence.
+    empty, deltas = rope_ext.mrope_positions(torch.zeros(2, 0, dtype=torch.long))
+    assert empty.shape == (3, 2, 0) and empty.dtype == torch.long and deltas.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("kw", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
