@@ -101,6 +101,42 @@ def _what(record: dict) -> tuple[str, str, str, str]:
     return record["file"], record["function"], record["before"], record["after"]
 
 
+def match_records(records: list[dict], mutants: list["Mutant"]) -> list[str | None]:
+    """For each record of an earlier run, the key of the mutant it is now (None: its code
+    changed), matched by what they change, not by byte offset, which an edit elsewhere in the
+    file moves. Equal mutants (a `1` -> `0` repeated in one function) are matched in order:
+    of the ways that keep the records' order, the one that moves them least in all, so that an
+    edit shifting them alike still finds each."""
+    found: list[str | None] = [None] * len(records)
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(_what(r), []).append(i)
+    for what, indices in groups.items():
+        rs = sorted(indices, key=lambda i: records[i]["start"])
+        ms = sorted((m for m in mutants if _what(dataclasses.asdict(m)) == what),
+                    key=lambda m: m.start)
+        if not ms:
+            continue
+        if len(rs) > len(ms):  # fewer now: keep the records nearest to one
+            rs = sorted(sorted(rs, key=lambda i: min(abs(m.start - records[i]["start"])
+                                                     for m in ms))[:len(ms)],
+                        key=lambda i: records[i]["start"])
+        # cost[a][b]: records rs[:a] matched in order to some of ms[:b], least total shift.
+        inf = float("inf")
+        cost = [[0.0] * (len(ms) + 1)] + [[inf] * (len(ms) + 1) for _ in rs]
+        for a in range(1, len(rs) + 1):
+            for b in range(a, len(ms) + 1):
+                cost[a][b] = min(cost[a][b - 1], cost[a - 1][b - 1]
+                                 + abs(ms[b - 1].start - records[rs[a - 1]]["start"]))
+        b = len(ms)
+        for a in range(len(rs), 0, -1):  # back through the table
+            while cost[a][b] == cost[a][b - 1]:
+                b -= 1
+            found[rs[a - 1]] = ms[b - 1].key
+            b -= 1
+    return found
+
+
 def _one_line(text: str, width: int = 70) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
@@ -608,43 +644,22 @@ def main() -> int:
             mutants = [m for m in mutants if m.operator in args.operator]
         selected[name] = mutants[args.offset::args.every]
         if args.survivors_of:
-            # Matched by what they change (function, code, mutation), not by offset or by
-            # --every's sample, either of which an edit elsewhere in the file moves; of equal
-            # mutants (a `1` -> `0` repeated in one function), the nearest to where it was.
-            survived = [r for r in json.loads(args.survivors_of.read_text())
-                        if r["outcome"] == "survived" and r["file"] == name]
-            chosen, gone = set(), 0
-            for r in survived:
-                same = [m for m in mutants if _what(dataclasses.asdict(m)) == _what(r)]
-                if same:
-                    chosen.add(min(same, key=lambda m: abs(m.start - r["start"])).key)
-                else:
-                    gone += 1
+            # Matched with every record of that run (killed ones too), so that equal mutants
+            # keep their order; then the survivors.
+            records = [r for r in json.loads(args.survivors_of.read_text()) if r["file"] == name]
+            keys = match_records(records, mutants)
+            survived = [k for r, k in zip(records, keys) if r["outcome"] == "survived"]
+            chosen = {k for k in survived if k is not None}
             selected[name] = [m for m in mutants if m.key in chosen]
-            if gone:
-                print(f"{name}: {gone} of {len(survived)} survivors in {args.survivors_of} "
-                      f"are no longer there (their code changed)")
+            if None in survived:
+                print(f"{name}: {survived.count(None)} of {len(survived)} survivors in "
+                      f"{args.survivors_of} are no longer there (their code changed)")
         if args.untried_in:
-            # Matched as --survivors-of does; of equal mutants, each record claims the one
-            # nearest to where it was. A mutant in several records (a run, then a run of its
-            # survivors) is claimed once: per mutation, the record that holds it most often.
-            tried: dict[tuple, list[int]] = {}
+            tried = set()
             for record_file in args.untried_in:
-                mine: dict[tuple, list[int]] = {}
-                for r in json.loads(record_file.read_text()):
-                    if r["file"] == name:
-                        mine.setdefault(_what(r), []).append(r["start"])
-                for what, starts in mine.items():
-                    if len(starts) > len(tried.get(what, [])):
-                        tried[what] = starts
-            claimed = set()
-            for what, starts in tried.items():
-                same = [m for m in mutants if _what(dataclasses.asdict(m)) == what]
-                for start in sorted(starts):
-                    free = [m for m in same if m.key not in claimed]
-                    if free:
-                        claimed.add(min(free, key=lambda m: abs(m.start - start)).key)
-            selected[name] = [m for m in selected[name] if m.key not in claimed]
+                records = [r for r in json.loads(record_file.read_text()) if r["file"] == name]
+                tried.update(match_records(records, mutants))
+            selected[name] = [m for m in selected[name] if m.key not in tried]
         print(f"{name}: {len(mutants)} mutants, {len(selected[name])} selected")
     if args.list:
         for mutants in selected.values():
