@@ -6,9 +6,10 @@ import re
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import rope_ext
-from rope_ext import _native
+from rope_ext import _checks, _native
 
 T = torch.view_as_real(rope_ext.precompute_freqs_cis(16, 8))  # [8, 8, 2]
 
@@ -67,6 +68,9 @@ APPLY_CASES = [
     ("positions not broadcastable", "apply_rotary",
      (x_(2, 4, 16), T, torch.zeros(3, 4, dtype=torch.long)), {}, ValueError,
      "apply_rotary: positions of shape [3, 4] is not broadcastable to x.shape[:-1] = [2, 4]"),
+    ("positions not broadcastable in the last dim", "apply_rotary",
+     (x_(2, 4, 16), T, torch.zeros(2, 3, dtype=torch.long)), {}, ValueError,
+     "apply_rotary: positions of shape [2, 3] is not broadcastable to x.shape[:-1] = [2, 4]"),
     ("positions too many dims", "apply_rotary",
      (x_(2, 4, 16), T, torch.zeros(1, 2, 4, dtype=torch.long)), {}, ValueError,
      "apply_rotary: positions of shape [1, 2, 4] is not broadcastable to x.shape[:-1] = [2, 4]"),
@@ -284,3 +288,20 @@ def test_fill_freqs_cis_checks():
             torch.ops.rope_ext.fill_freqs_cis_(out, inv_freq, 1.0)
         with FakeTensorMode() as mode, pytest.raises(error, match=re.escape(message)):
             torch.ops.rope_ext.fill_freqs_cis_(mode.from_tensor(out), mode.from_tensor(inv_freq), 1.0)
+
+
+def test_checks_on_symbolic_sizes_raise_while_tracing():
+    # Under dynamic shapes a check's condition is symbolic: torch._check_with decides it from
+    # the sizes' hints (head_dim 12 < rotary dim 16 here) and raises the same error while the
+    # fake kernel traces, rather than leaving it to the op at run time.
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x = mode.from_tensor(x_(2, 4, 12), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] * 3))
+    table = mode.from_tensor(T, static_shapes=True)
+    message = "apply_rotary: rotary dim 2 * freqs_cis.shape[1] = 16 exceeds x's head_dim "
+    with mode:
+        assert not isinstance(x.shape[-1], int)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            _checks.check_apply_args("apply_rotary", "x", x, table, None, 0, 1, None, False)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            torch.ops.rope_ext.apply_rotary(x, table, None, 0, 1, True, False)

@@ -182,6 +182,8 @@ def test_compile_fullgraph_dynamic():
 BAD = [
     (dict(mrope_section=[16, 24, 23]), "mrope_section [16, 24, 23] must sum to R/2 = 64"),
     (dict(mrope_section=[16, -8, 56]), "mrope_section lengths must be >= 0, got [16, -8, 56]"),
+    (dict(mrope_section=[-1, 33, 32]), "mrope_section lengths must be >= 0, got [-1, 33, 32]"),
+    (dict(mrope_section=[]), "mrope_section must hold 1 to 4 section lengths, got 0"),
     (dict(mrope_section=[32, 32], mrope_interleaved=True),
      "mrope_interleaved=True needs 3 sections (time, height, width), got 2"),
     (dict(mrope_section=[24, 24, 24], mrope_interleaved=True),
@@ -196,13 +198,15 @@ BAD = [
      "positions must have a leading dim of len(mrope_section) = 3, got shape []"),
     (dict(mrope_section=[16, 24, 24], positions=torch.zeros(3, 2, 6, 1, dtype=torch.long)),
      "positions of shape [3, 2, 6, 1] (after its leading axis dim) is not broadcastable"),
+    (dict(mrope_section=[16, 24, 24], positions=torch.zeros(3, 4, 5, 1, dtype=torch.long)),
+     "positions of shape [3, 4, 5, 1] (after its leading axis dim) is not broadcastable"),
 ]
 
 
 @pytest.mark.parametrize("bad,message", BAD)
 def test_bad_input(bad, message):
     x = torch.randn(2, 5, 3, 128)
-    table = rope_ext.precompute_freqs_cis(128, P)
+    table = rope_ext.precompute_freqs_cis(128, 2 * P)  # rows != pairs: each check reads its own
     kwargs = dict(positions=torch.zeros(3, 2, 5, 1, dtype=torch.long))
     kwargs.update(bad)
     before = x.clone()
