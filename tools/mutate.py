@@ -70,7 +70,7 @@ TESTS = {
     "rope_ext/_meta.py": ["test_errors.py", "test_overlap.py", "test_mrope.py",
                           "test_qk_norm.py", "test_precompute.py"],
     "csrc/rope_math.h": ["test_apply.py", "test_precompute.py", "test_mrope.py",
-                         "test_qk_norm.py", "test_cuda_emulation.py"],
+                         "test_qk_norm.py", "test_cuda_emulation.py", "test_errors.py"],
 }
 
 
@@ -435,7 +435,9 @@ class TestRun:
         if os.waitstatus_to_exitcode(status) == 0:
             return "passed", "", seconds
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
-        detail = failed[0] if failed else (output.strip().splitlines() or ["?"])[-1]
+        crashed = re.findall(r"^Fatal Python error: .*", output, re.M)  # a native crash
+        detail = (failed[0] if failed else crashed[0] if crashed
+                  else (output.strip().splitlines() or ["?"])[-1])
         return "failed", detail, seconds
 
 
