@@ -70,7 +70,8 @@ TESTS = {
     "rope_ext/_meta.py": ["test_errors.py", "test_overlap.py", "test_mrope.py",
                           "test_qk_norm.py", "test_precompute.py"],
     "csrc/rope_math.h": ["test_apply.py", "test_precompute.py", "test_mrope.py",
-                         "test_qk_norm.py", "test_cuda_emulation.py", "test_errors.py"],
+                         "test_qk_norm.py", "test_cuda_emulation.py", "test_errors.py",
+                         "test_overlap.py"],
 }
 
 
