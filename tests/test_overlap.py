@@ -364,6 +364,8 @@ def test_overlap_search_stops_when_its_budget_is_spent(traced_search, monkeypatc
     _checks.check_inplace_target("apply_rotary_", "x", x)
     needed = traced_search[0]
     assert needed == 14
+    monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", needed)  # spent to the last step: enough
+    _checks.check_inplace_target("apply_rotary_", "x", x)
     for budget in range(needed):
         monkeypatch.setattr(_checks, "_OVERLAP_BUDGET", budget)
         traced_search[0] = 0
@@ -378,3 +380,5 @@ def test_empty_views_share_no_memory():
     q = buffer.as_strided([2, 3, D], [12, 4, 1], 0)
     check_in_every_path("apply_rotary_qk_", [q, q[:, :0]], False)
     check_in_every_path("apply_rotary_qk_", [q[:, :0], q], False)
+    # ...and an empty x never overlaps itself, whatever the strides of its other dims.
+    check_in_every_path("apply_rotary_", [buffer.as_strided([0, 3, D], [1, 1, 1])], False)
