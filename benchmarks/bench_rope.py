@@ -74,8 +74,9 @@ def cases(suite: str, device: str, dtype: torch.dtype) -> list[Case]:
     if suite == "mrope":  # Qwen2.5-VL-7B's attention, text + image positions
         return [c(1, 4096, 28, 4, 128, mrope=True, name="MRoPE")]
     if suite == "qk_norm":  # Qwen3's per-head RMSNorm + half-split RoPE, fused vs unfused
-        return [c(1, 2048, 32, 8, 128, qk_norm=True, name="QK-norm prefill"),
-                c(32, 1, 32, 8, 128, decode_offset=1000, qk_norm=True, name="QK-norm decode")]
+        prefill, decode = ((4, 4096), (64, 1)) if device == "cuda" else ((1, 2048), (32, 1))
+        return [c(*prefill, 32, 8, 128, qk_norm=True, name="QK-norm prefill"),
+                c(*decode, 32, 8, 128, decode_offset=1000, qk_norm=True, name="QK-norm decode")]
     if suite == "kv_cache":  # fused RoPE + KV-cache write: a paged and a static cache
         prefill, decode = ((4, 4096), (64, 1)) if device == "cuda" else ((1, 2048), (32, 1))
         return [c(*prefill, 32, 8, 128, kv_cache=layout, name="KV prefill")

@@ -104,8 +104,9 @@ timeout 240 python benchmarks/bench_rope.py --device cuda --suite core --dtypes 
 timeout 60 python benchmarks/bench_rope.py --device cuda --suite partial --dtypes bfloat16 \
   --backward --out "$OUT/bench_partial" 2>&1 | tail -30 | tee "$OUT/bench_partial.log"
 say "GPU benchmark: fused RMSNorm + RoPE (vLLM's fused_qk_norm_rope where importable)"
-timeout 120 python benchmarks/bench_rope.py --device cuda --suite qk_norm --dtypes bfloat16 \
-  --no-compile --out "$OUT/bench_qk_norm" 2>&1 | tail -45 | tee "$OUT/bench_qk_norm.log"
+# [4, 4096, 32/8, 128] and decode [64, 1]; against compiled HF Qwen3, forward and fwd+bwd.
+timeout 150 python benchmarks/bench_rope.py --device cuda --suite qk_norm --dtypes bfloat16 \
+  --out "$OUT/bench_qk_norm" 2>&1 | tail -50 | tee "$OUT/bench_qk_norm.log"
 
 say "GPU benchmark: fused RoPE + KV-cache write (bf16 and float8 caches, prefill and decode)"
 timeout 120 python benchmarks/bench_rope.py --device cuda --suite kv_cache --dtypes bfloat16 \
