@@ -282,6 +282,11 @@ def test_fill_freqs_cis_checks():
          "fill_freqs_cis_: inv_freq must be float64, got Float"),
         ((torch.empty(3, 4, 2), inv.view(2, 2)), ValueError,
          "fill_freqs_cis_: inv_freq must be 1-D, got shape [2, 2]"),
+        ((torch.empty(4, 3, 2), inv), ValueError,  # as many rows as inv_freq, not as many pairs
+         "fill_freqs_cis_: out must have shape [end, inv_freq.shape[0], 2] = [end, 4, 2], "
+         "got [4, 3, 2]"),
+        ((torch.empty(3, 4, 2), inv.to("meta")), ValueError,
+         "fill_freqs_cis_: inv_freq is on meta but out is on cpu"),
     ]
     for (out, inv_freq), error, message in cases:
         with pytest.raises(error, match=re.escape(message)):

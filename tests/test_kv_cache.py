@@ -40,10 +40,14 @@ class Case:
     offset: int = 0
     inplace: bool = False
     table_dtype: torch.dtype = torch.float32
+    negative_seq_dim: bool = False  # seq_dim counted from the end
+    # v_cache's feature dim (of size 1) given a stride other than 1, as a size-1 dim may have
+    v_cache_feature_stride: int | None = None
 
     @property
     def seq_dim(self):
-        return {"bshd": 1, "bhsd": 2, "thd": 0}[self.layout]
+        sd = {"bshd": 1, "bhsd": 2, "thd": 0}[self.layout]
+        return sd - (3 if self.layout == "thd" else 4) if self.negative_seq_dim else sd
 
 
 CASES = {
@@ -58,6 +62,8 @@ CASES = {
     "decode-inplace-hnd": Case(seq=1, batch=3, positions=True, cache_layout="HND", inplace=True),
     "padding": Case(padding=True, positions=True),
     "partial-rotary": Case(rotary_dim=16, interleaved=False),
+    "negative-seq-dim": Case(layout="bhsd", negative_seq_dim=True, positions=True),
+    "v-of-one-feature": Case(v_head_dim=1, v_cache_feature_stride=7),
     "partial-rotary-odd-pairs": Case(head_dim=40, v_head_dim=40, rotary_dim=24),
     "v-head-dim": Case(v_head_dim=24, cache_layout="HND"),
     "mha": Case(q_heads=2, kv_heads=2),
@@ -110,6 +116,9 @@ def make(c: Case, seed=0):
         return torch.randn(shape, generator=g).to(cache_dtype)
 
     k_cache, v_cache = cache(c.head_dim), cache(c.v_head_dim)
+    if c.v_cache_feature_stride is not None:
+        v_cache = v_cache.as_strided(v_cache.shape, (*v_cache.stride()[:3],
+                                                     c.v_cache_feature_stride))
     heads_axis = {"bshd": 2, "bhsd": 1, "thd": 1}[c.layout]
     slots = slot_ids.view(tok).unsqueeze(heads_axis)
     positions = None
@@ -407,6 +416,19 @@ BAD = [
     ("k is its cache", lambda a: {**a, "k": a["k_cache"].view(-1, 2, 32)[:10].view(2, 5, 2, 32)},
      ValueError,
      f"{OP}: k and k_cache overlap in memory; the call needs them disjoint"),
+    ("strided cache features", lambda a: _cache_view(
+        a, "k_cache", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
+     f"{OP}: k_cache must have contiguous features (stride 1 along head_dim), got strides "
+     "[256, 64, 1, 2]"),
+    ("scale of 2 dims", lambda a: {**_cache_view(a, "k_cache", lambda t: t.to(torch.float8_e5m2)),
+                                   "k_scale": torch.ones(1, 1)}, ValueError,
+     f"{OP}: k_scale must hold 1 value or one per head (2), got shape [1, 1]"),
+    ("slots of more dims", lambda a: {**a, "slots": a["slots"][None]}, ValueError,
+     f"{OP}: slots of shape [1, 2, 5, 1] must broadcast to k.shape[:-1] = [2, 5, 2] with size 1 "
+     "along the heads (dim 2): one slot per token"),
+    ("slots of other sequences", lambda a: {**a, "slots": torch.zeros(3, 5, 1, dtype=torch.long)},
+     ValueError, f"{OP}: slots of shape [3, 5, 1] must broadcast to k.shape[:-1] = [2, 5, 2] "
+     "with size 1 along the heads (dim 2): one slot per token"),
     ("expanded cache", lambda a: _cache_view(a, "v_cache", lambda t: t[:1].expand(6, 4, 2, 32)),
      ValueError, f"{OP}: v_cache has overlapping memory (dim 0 of size 6 has stride 0, e.g. "
      "from expand); the cache write needs distinct elements, pass caches whose elements are "
@@ -479,3 +501,21 @@ def test_fallback_mirrors_error(case, monkeypatch):
     for n, t in before.items():
         assert torch.equal(a[n].view(torch.uint8) if a[n].dtype in FLOAT8_MAX else a[n],
                            t.view(torch.uint8) if t.dtype in FLOAT8_MAX else t), n
+
+
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "k_scale", "v_scale"])
+def test_a_cache_or_scale_on_another_device_is_refused(name, monkeypatch):
+    # Meta stands for another device (this machine may have one only): the op, and the
+    # fallback's own checks, name the tensor and both devices.
+    a = bad_call(lambda a: a)
+    cache = name.replace("scale", "cache")
+    a[cache] = a[cache].to(torch.float8_e4m3fn)
+    a["k_scale" if cache == "k_cache" else "v_scale"] = torch.ones(1)
+    a[name] = a[name].to("meta")
+    message = f"{OP}: {name} is on meta but q is on cpu"
+    head, kw = op_args(dict(a))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torch.ops.rope_ext.rotary_kv_cache_update(*head, **kw)
+    no_native(monkeypatch)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rope_ext.rotary_kv_cache_update(*head, **kw)
