@@ -116,9 +116,10 @@ def make(c: Case, seed=0):
         return torch.randn(shape, generator=g).to(cache_dtype)
 
     k_cache, v_cache = cache(c.head_dim), cache(c.v_head_dim)
-    if c.v_cache_feature_stride is not None:
+    if c.v_cache_feature_stride is not None:  # and v's own feature dim likewise
         v_cache = v_cache.as_strided(v_cache.shape, (*v_cache.stride()[:3],
                                                      c.v_cache_feature_stride))
+        v = v.as_strided(v.shape, (*v.stride()[:-1], c.v_cache_feature_stride))
     heads_axis = {"bshd": 2, "bhsd": 1, "thd": 1}[c.layout]
     slots = slot_ids.view(tok).unsqueeze(heads_axis)
     positions = None
@@ -416,6 +417,39 @@ BAD = [
     ("k is its cache", lambda a: {**a, "k": a["k_cache"].view(-1, 2, 32)[:10].view(2, 5, 2, 32)},
      ValueError,
      f"{OP}: k and k_cache overlap in memory; the call needs them disjoint"),
+    ("v rank", lambda a: {**a, "v": a["v"][0]}, ValueError,
+     f"{OP}: q, k and v must have the same number of dims, got 4, 4 and 3"),
+    ("q and k tokens differ, one position for all", lambda a: {
+        **a, "q": a["q"][:, :3], "positions": torch.zeros(1, 1, 1, dtype=torch.long)}, ValueError,
+     f"{OP}: q and k must agree on every dim but the heads (dim 2), got shapes [2, 3, 4, 32] and "
+     "[2, 5, 2, 32]"),
+    ("v heads differ", lambda a: {**a, "v": a["v"][:, :, :1]}, ValueError,
+     f"{OP}: v must match k on every dim but head_dim, got shapes [2, 5, 1, 32] and "
+     "[2, 5, 2, 32]"),
+    ("v features of stride 2, head_dim 2", lambda a: {**a, "v": torch.zeros(2, 5, 2, 4).to(
+        a["v"].dtype)[..., ::2]}, ValueError,
+     f"{OP}: v must have contiguous features (stride 1 along head_dim), got strides "
+     "[40, 8, 4, 2]"),
+    ("cache block sizes differ", lambda a: _cache_view(a, "v_cache", lambda t: t[:, :2]),
+     ValueError, f"{OP}: k_cache and v_cache must have the same num_blocks and block_size, got "
+     "shapes [6, 4, 2, 32] and [6, 2, 2, 32]"),
+    ("HND cache block sizes differ", lambda a: {
+        **a, "cache_layout": "HND", "k_cache": a["k_cache"].transpose(1, 2).contiguous(),
+        "v_cache": a["v_cache"].transpose(1, 2).contiguous()[:, :, :2]}, ValueError,
+     f"{OP}: k_cache and v_cache must have the same num_blocks and block_size, got "
+     "shapes [6, 2, 4, 32] and [6, 2, 2, 32]"),
+    ("q_weight shape", _with(q_weight=torch.ones(16), k_weight=torch.ones(32)), ValueError,
+     f"{OP}: q_weight must have shape [32] (the head_dim of q), got [16]"),
+    ("k_weight shape", _with(q_weight=torch.ones(32), k_weight=torch.ones(2, 32)), ValueError,
+     f"{OP}: k_weight must have shape [32] (the head_dim of k), got [2, 32]"),
+    ("eps", _with(q_weight=torch.ones(32), k_weight=torch.ones(32), eps=-1.0), ValueError,
+     f"{OP}: eps must be a positive finite number, got -1"),
+    ("expanded k_cache", lambda a: _cache_view(a, "k_cache", lambda t: t[:1].expand(6, 4, 2, 32)),
+     ValueError, f"{OP}: k_cache has overlapping memory (dim 0 of size 6 has stride 0, e.g. "
+     "from expand); the cache write needs distinct elements, pass caches whose elements are "
+     "distinct"),
+    ("v is its cache", lambda a: {**a, "v": a["v_cache"].view(-1, 2, 32)[:10].view(2, 5, 2, 32)},
+     ValueError, f"{OP}: v and v_cache overlap in memory; the call needs them disjoint"),
     ("strided cache features", lambda a: _cache_view(
         a, "k_cache", lambda t: t.transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
      f"{OP}: k_cache must have contiguous features (stride 1 along head_dim), got strides "
@@ -503,14 +537,15 @@ def test_fallback_mirrors_error(case, monkeypatch):
                            t.view(torch.uint8) if t.dtype in FLOAT8_MAX else t), n
 
 
-@pytest.mark.parametrize("name", ["k_cache", "v_cache", "k_scale", "v_scale"])
-def test_a_cache_or_scale_on_another_device_is_refused(name, monkeypatch):
+@pytest.mark.parametrize("name", ["k_cache", "v_cache", "k_scale", "v_scale", "v", "slots"])
+def test_a_tensor_on_another_device_is_refused(name, monkeypatch):
     # Meta stands for another device (this machine may have one only): the op, and the
     # fallback's own checks, name the tensor and both devices.
     a = bad_call(lambda a: a)
-    cache = name.replace("scale", "cache")
-    a[cache] = a[cache].to(torch.float8_e4m3fn)
-    a["k_scale" if cache == "k_cache" else "v_scale"] = torch.ones(1)
+    if name.endswith("scale"):
+        cache = name.replace("scale", "cache")
+        a[cache] = a[cache].to(torch.float8_e4m3fn)
+        a[name] = torch.ones(1)
     a[name] = a[name].to("meta")
     message = f"{OP}: {name} is on meta but q is on cpu"
     head, kw = op_args(dict(a))
@@ -519,3 +554,58 @@ def test_a_cache_or_scale_on_another_device_is_refused(name, monkeypatch):
     no_native(monkeypatch)
     with pytest.raises(ValueError, match=re.escape(message)):
         rope_ext.rotary_kv_cache_update(*head, **kw)
+
+
+INPLACE_BAD = [  # what only an in-place call refuses
+    ("q expanded", lambda a: {**a, "q": a["q"][:, :1].expand(2, 5, 4, 32)},
+     "rotary_kv_cache_update_: q has overlapping memory (dim 1 of size 5 has stride 0, e.g. from "
+     "expand); an in-place call needs distinct elements, use the out-of-place op"),
+    ("q overlaps k", lambda a: {**a, "q": torch.cat([a["k"], a["k"]], 2)[:, :, :4].clone(),
+                                "k": None},
+     "rotary_kv_cache_update_: q and k overlap in memory; the call needs them disjoint"),
+    ("q overlaps v", lambda a: {**a, "q": torch.cat([a["v"], a["v"]], 2)[:, :, :4].clone(),
+                                "v": None},
+     "rotary_kv_cache_update_: q and v overlap in memory; the call needs them disjoint"),
+]
+
+
+@pytest.mark.parametrize("case", INPLACE_BAD, ids=[c[0] for c in INPLACE_BAD])
+@pytest.mark.parametrize("path", ["native", "fake", "fallback"])
+def test_inplace_call_refuses_q_that_shares_memory(case, path, monkeypatch):
+    _, change, message = case
+    a = change(bad_call(lambda a: a))
+    if a["k"] is None:  # k: the first two heads of q
+        a["k"] = a["q"][:, :, :2]
+    if a["v"] is None:
+        a["v"] = a["q"][:, :, :2]
+    head, kw = op_args(dict(a))
+    before = [t.clone() for t in head]
+    if path == "fake":
+        with FakeTensorMode() as mode, pytest.raises(ValueError, match=re.escape(message)):
+            torch.ops.rope_ext.rotary_kv_cache_update_(*[mode.from_tensor(t) for t in head], **kw)
+        return
+    if path == "fallback":
+        no_native(monkeypatch)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rope_ext.rotary_kv_cache_update(*head, inplace=True, **kw)
+    for t, b in zip(head, before):
+        assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize("path", ["native", "fallback"])
+def test_one_token_s_slot_past_the_cache_and_no_tokens(path, monkeypatch):
+    # A single slot is range-checked like many, and a call with no tokens writes nothing.
+    if path == "fallback":
+        no_native(monkeypatch)
+    q, k, v, table, k_cache, v_cache, slots, kw = make(replace(CASES["decode"], batch=1))
+    kw.pop("inplace")
+    message = f"{OP}: slots must be < num_blocks * block_size = {k_cache.shape[0] * 4}"
+    with pytest.raises(IndexError, match=re.escape(message)):
+        rope_ext.rotary_kv_cache_update(q, k, v, table, k_cache, v_cache,
+                                        torch.full_like(slots, k_cache.shape[0] * 4), **kw)
+    before = k_cache.clone(), v_cache.clone()
+    empty = [t[:0] for t in (q, k, v)]
+    out = rope_ext.rotary_kv_cache_update(*empty, table, k_cache, v_cache, slots[:0],
+                                          **{**kw, "positions": kw["positions"][:0]})
+    assert out.shape == empty[0].shape
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
