@@ -430,6 +430,11 @@ BAD = [
         a["v"].dtype)[..., ::2]}, ValueError,
      f"{OP}: v must have contiguous features (stride 1 along head_dim), got strides "
      "[40, 8, 4, 2]"),
+    ("v_cache features of stride 2, head_dim 2", lambda a: {
+        **a, "v": torch.zeros(2, 5, 2, 2).to(a["v"].dtype),
+        "v_cache": torch.zeros(6, 4, 2, 4).to(a["v"].dtype)[..., ::2]}, ValueError,
+     f"{OP}: v_cache must have contiguous features (stride 1 along head_dim), got strides "
+     "[32, 8, 4, 2]"),
     ("cache block sizes differ", lambda a: _cache_view(a, "v_cache", lambda t: t[:, :2]),
      ValueError, f"{OP}: k_cache and v_cache must have the same num_blocks and block_size, got "
      "shapes [6, 4, 2, 32] and [6, 2, 2, 32]"),
