@@ -718,8 +718,8 @@ def providers(case: Case, inputs: Inputs, include_compile: bool = True,
                                               interleaved=interleaved, **where))
             out[name] = functools.partial(step, q, k, grads)
         hf_paths = [("eager rotate_half (HF) fwd+bwd", _hf_eager)]
-        if include_compile:  # Inductor compiles the backward too (AOTAutograd)
-            hf_paths.append(("compiled rotate_half (HF) fwd+bwd", _compiled_fn("hf", _hf_eager)))
+        if include_compile:  # the compiled function above; Inductor compiles its backward too
+            hf_paths.append(("compiled rotate_half (HF) fwd+bwd", hf))
         for name, fn in hf_paths:
             step = _fwd_bwd(functools.partial(fn, cos=inputs.cos, sin=inputs.sin))
             out[name] = functools.partial(step, q, k, grads)
