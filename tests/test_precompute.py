@@ -1,3 +1,5 @@
+import contextlib
+
 import mpmath
 import pytest
 import torch
@@ -60,6 +62,16 @@ def test_op_returns_real_view():
         rope_ext.precompute_freqs_cis(16, 4))[:, :, 0])
 
 
+@contextlib.contextmanager
+def eager_path(monkeypatch):
+    """No library at all: precompute_freqs_cis takes the eager path, making its checks itself."""
+    with monkeypatch.context() as without_library:
+        without_library.setattr(_native, "LOADED", False)
+        without_library.setattr(_native, "NATIVE_DEVICES", frozenset())
+        without_library.setattr(_native, "_warned", {"cpu"})
+        yield
+
+
 def test_empty_table():
     assert rope_ext.precompute_freqs_cis(8, 0).shape == (0, 4)
 
@@ -77,10 +89,7 @@ def test_empty_table():
 def test_bad_arguments(kwargs, error, match, monkeypatch):
     with pytest.raises(error, match=match):
         rope_ext.precompute_freqs_cis(**kwargs)
-    with monkeypatch.context() as without_library:  # the eager path makes the checks itself
-        without_library.setattr(_native, "LOADED", False)
-        without_library.setattr(_native, "NATIVE_DEVICES", frozenset())
-        without_library.setattr(_native, "_warned", {"cpu"})
+    with eager_path(monkeypatch):
         with pytest.raises(error, match=match):
             rope_ext.precompute_freqs_cis(**kwargs)
     dtype = kwargs.pop("dtype", None)
@@ -95,10 +104,7 @@ def test_limits_are_accepted_on_every_path(dim, end, theta, monkeypatch):
     # the same table, the float64 reference's.
     want = reference.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
     native = rope_ext.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
-    with monkeypatch.context() as without_library:  # no library at all: the eager path
-        without_library.setattr(_native, "LOADED", False)
-        without_library.setattr(_native, "NATIVE_DEVICES", frozenset())
-        without_library.setattr(_native, "_warned", {"cpu"})
+    with eager_path(monkeypatch):
         fallback = rope_ext.precompute_freqs_cis(dim, end, theta, dtype=torch.float64)
     for got in (native, fallback):
         assert got.shape == (end, dim // 2)
