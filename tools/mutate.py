@@ -404,7 +404,8 @@ class _PerTest:
 
 
 class TestRun:
-    """pytest -x on a copy, in a fork of this process (see start); poll says when it ends."""
+    """pytest -x on a copy, in a fork of this process, started when made; poll says when it
+    ends."""
 
     def __init__(self, copy: Path, tests: list[str], inductor: Path,
                  measure: str | None = None, threads: int | None = None):
